@@ -1,0 +1,137 @@
+"""The event loop that owns a process's gRPC I/O, and the bridge from blocking code onto it.
+
+Every loop-bound object (stores, the RPC agent) keeps its ``_loop``; its coroutine methods are
+the real implementation and its blocking methods are made once, by :func:`blocking_twin`.
+From synchronous programs the loop runs in one background thread, started on first use and
+stopped when its last user releases it, so nothing is left running after shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from rpcdist.errors import BlockingCallError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop running forever in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="rpcdist-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        # Drain what is left so nothing warns about pending tasks, then close.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is self._thread:
+            # Stopped from code running on the loop (e.g. a blocking close() whose coroutine
+            # releases the last use): the loop winds down once that code returns.
+            return
+        self._thread.join(timeout)
+
+
+_shared: LoopThread | None = None
+_shared_users = 0
+_shared_lock = threading.Lock()
+
+
+def acquire_loop() -> asyncio.AbstractEventLoop:
+    """Start (or share) the background loop thread; pair every call with :func:`release_loop`."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None:
+            _shared = LoopThread()
+        _shared_users += 1
+        return _shared.loop
+
+
+def release_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Drop one use of the background loop; the last release stops its thread."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None or _shared.loop is not loop:
+            return
+        _shared_users -= 1
+        if _shared_users > 0:
+            return
+        thread, _shared = _shared, None
+    thread.stop()
+
+
+def current_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def call_blocking(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout: float | None = None
+) -> T:
+    """Run ``coro`` on ``loop`` and wait for it from this (non-loop) thread."""
+    if current_loop() is loop:
+        coro.close()
+        raise BlockingCallError(
+            "this blocking call would stall the event loop it needs; "
+            "inside async code use the `await ..._async()` form"
+        )
+    if loop.is_closed():
+        coro.close()
+        raise RuntimeError("the rpcdist event loop is closed (was shutdown() called?)")
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+
+async def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` on its owner ``loop`` from whatever loop is running here."""
+    if current_loop() is loop:
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+def blocking_twin(
+    async_method: Callable[..., Awaitable[T]],
+) -> Callable[..., T]:
+    """Make the blocking form of a loop-bound object's ``async def x_async`` method."""
+
+    @functools.wraps(async_method)
+    def blocking(self: Any, *args: Any, **kwargs: Any) -> T:
+        return call_blocking(self._loop, async_method(self, *args, **kwargs))
+
+    blocking.__doc__ = f"Blocking form of :meth:`{async_method.__name__}`.\n\n{async_method.__doc__ or ''}"
+    return blocking
+
+
+def bound_twin(
+    async_method: Callable[..., Awaitable[T]],
+) -> Callable[..., Awaitable[T]]:
+    """Wrap an ``async def`` method so it may be awaited from any loop (it runs on ``self._loop``)."""
+
+    @functools.wraps(async_method)
+    async def anywhere(self: Any, *args: Any, **kwargs: Any) -> T:
+        return await run_on(self._loop, async_method(self, *args, **kwargs))
+
+    return anywhere

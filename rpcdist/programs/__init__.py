@@ -1,0 +1,1 @@
+"""The deployable programs (source folders server/ and worker/ at the repository root)."""

@@ -1,0 +1,179 @@
+"""Joining a group: from an ``init_method`` to a store, then name/rank/address registration.
+
+Three init methods, as torch users know them:
+
+- ``env://`` reads ``MASTER_ADDR``/``MASTER_PORT``; rank 0 embeds the gRPC store service in
+  its own process unless something already serves that address (a standalone
+  ``rpcdist-server``), in which case it uses that one like everybody else.
+- ``tcp://host:port``: the same with the address in the URL.
+- ``file:///path``: a file-backed store on a (shared) filesystem.
+
+Registration is done with store operations only, so it works the same on every backend:
+``compare_set`` claims a name and a rank atomically, and conflicts raise
+:class:`~rpcdist.errors.MembershipError` naming both sides.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+from rpcdist.errors import MembershipError, RendezvousError, StoreError, StoreTimeoutError
+from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Rendezvous", "Member", "rendezvous", "join_group", "arrive", "leave_barrier", "is_loopback"]
+
+
+@dataclass
+class Rendezvous:
+    """The store a group coordinates through, and the store service this process hosts (if any)."""
+
+    store: Store
+    server: StoreServer | None
+    host: str | None  # the store's host for env:// and tcp:// (None for file://)
+
+    async def close(self) -> None:
+        await self.store.close_async()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    rank: int
+    address: str
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _env(name: str, init_method: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise RendezvousError(f"init_method={init_method!r} needs the environment variable {name}")
+    return value
+
+
+def resolve_rank_and_size(rank: int, world_size: int | None) -> tuple[int, int]:
+    """Fill ``rank``/``world_size`` from RANK/WORLD_SIZE when not given, and check them."""
+    if rank is None or rank < 0:
+        rank = int(os.environ.get("RANK", "-1"))
+    if world_size is None or world_size < 0:
+        world_size = int(os.environ.get("WORLD_SIZE", "-1"))
+    if world_size is None or world_size < 1:
+        raise MembershipError(f"world_size must be >= 1 (got {world_size}); pass it or set WORLD_SIZE")
+    if not 0 <= rank < world_size:
+        raise MembershipError(f"rank {rank} is outside [0, {world_size}) for world_size={world_size}")
+    return rank, world_size
+
+
+async def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> Rendezvous:
+    """Open the store named by ``init_method``; rank 0 hosts it for env:// and tcp://."""
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        path = unquote(url.path)
+        if not path:
+            raise RendezvousError(f"file:// init_method needs a path: {init_method!r}")
+        return Rendezvous(FileStore(path, world_size=world_size, timeout=timeout), None, None)
+    if url.scheme == "env":
+        host = _env("MASTER_ADDR", init_method)
+        port_text = _env("MASTER_PORT", init_method)
+    elif url.scheme == "tcp":
+        if not url.hostname or not url.port:
+            raise RendezvousError(f"tcp:// init_method needs host and port: {init_method!r}")
+        host, port_text = url.hostname, str(url.port)
+    else:
+        raise RendezvousError(
+            f"unsupported init_method {init_method!r}: use env://, tcp://host:port or file:///path"
+        )
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RendezvousError(f"store port must be an integer, got {port_text!r}") from None
+    server = None
+    if rank == 0:
+        server = await _serve_unless_served(host, port)
+    return Rendezvous(GrpcStore(host, port, timeout=timeout), server, host)
+
+
+async def _serve_unless_served(host: str, port: int) -> StoreServer | None:
+    bind_host = host if is_loopback(host) else "0.0.0.0"
+    try:
+        server = await StoreServer.start(bind_host, port)
+    except (OSError, StoreError, RuntimeError) as exc:
+        log.info("store address %s:%d is taken (%s); using the store served there", host, port, exc)
+        return None
+    log.info("rank 0 serves the store on %s:%d", bind_host, port)
+    return server
+
+
+async def join_group(
+    store: Store, name: str, rank: int, world_size: int, address: str, timeout: float
+) -> list[Member]:
+    """Register this worker and wait for all ``world_size`` members; returns them by rank."""
+    if not name or "/" in name:
+        raise MembershipError(f"worker name must be non-empty and contain no '/': {name!r}")
+    size = str(world_size).encode()
+    held = await store.compare_set_async("world_size", b"", size)
+    if held != size:
+        raise MembershipError(
+            f"world_size mismatch: worker {name!r} (rank {rank}) says {world_size}, "
+            f"the group was started with {held.decode()}"
+        )
+    owner = await store.compare_set_async(f"name/{name}", b"", str(rank))
+    if owner != str(rank).encode():
+        raise MembershipError(f"worker name {name!r} is already taken by rank {owner.decode()} (rank {rank})")
+    holder = await store.compare_set_async(f"rank/{rank}", b"", name)
+    if holder != name.encode():
+        raise MembershipError(f"rank {rank} is already taken by worker {holder.decode()!r} (not {name!r})")
+    await store.set_async(f"address/{rank}", address)
+    deadline = time.monotonic() + timeout
+    keys = [f"address/{r}" for r in range(world_size)]
+    try:
+        await store.wait_async(keys, timeout)
+    except StoreTimeoutError:
+        missing = [r for r in range(world_size) if not await store.check_async([f"address/{r}"])]
+        raise RendezvousError(
+            f"worker {name!r} waited {timeout:.0f} s for ranks {missing} of {world_size} to join"
+        ) from None
+    members = []
+    for r in range(world_size):
+        remaining = max(1.0, deadline - time.monotonic())
+        member_name = (await store.get_async(f"rank/{r}", remaining)).decode()
+        member_address = (await store.get_async(f"address/{r}", remaining)).decode()
+        members.append(Member(member_name, r, member_address))
+    return members
+
+
+async def arrive(store: Store, key: str, world_size: int) -> None:
+    """Count this member in at barrier ``key``; the last of ``world_size`` opens it."""
+    if await store.add_async(f"{key}/count", 1) == world_size:
+        await store.set_async(f"{key}/done", b"1")
+
+
+async def leave_barrier(store: Store, key: str, world_size: int, timeout: float) -> None:
+    """Block until all ``world_size`` members reach the barrier named ``key``."""
+    await arrive(store, key, world_size)
+    await store.wait_async([f"{key}/done"], timeout)
+
+
+def local_address_towards(host: str) -> str:
+    """The local IP address the kernel would use to reach ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(host), 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,46 @@
+"""``rpcdist.rpc``: remote calls and remote references, as ``torch.distributed.rpc``.
+
+    import rpcdist.rpc as rpc
+    rpc.init_rpc("worker0", rank=0, world_size=2)
+    rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+    rpc.shutdown()
+"""
+
+from rpcdist.errors import RemoteError, RpcError, RpcTimeoutError
+from rpcdist.futures import Future
+from rpcdist.rpc import functions
+from rpcdist.rpc.api import (
+    get_all_worker_infos,
+    get_worker_info,
+    init_rpc,
+    init_rpc_async,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+    shutdown_async,
+)
+from rpcdist.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
+from rpcdist.rpc.rref import RRef
+
+__all__ = [
+    "BackendType",
+    "Future",
+    "RRef",
+    "RemoteError",
+    "RpcBackendOptions",
+    "RpcError",
+    "RpcTimeoutError",
+    "TensorPipeRpcBackendOptions",
+    "WorkerInfo",
+    "functions",
+    "get_all_worker_infos",
+    "get_worker_info",
+    "init_rpc",
+    "init_rpc_async",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "shutdown_async",
+]

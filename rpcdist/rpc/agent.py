@@ -1,0 +1,694 @@
+"""The per-process RPC agent: a grpc.aio server, one long-lived stream per peer, and the
+dispatch of calls, all on one event loop.
+
+Caller side: ``submit`` pickles in the calling thread (errors surface there, before anything
+is sent), then hands the call to the loop, which numbers it, queues its frames on the peer's
+Exchange stream and arms its timeout. Callee side: each incoming Exchange stream is an
+:class:`_InboundSession`; ``async def`` functions run as tasks on the loop, blocking ones on
+the :class:`~rpcdist.rpc._threads.WorkerPool`, and results travel back on the same stream.
+
+Timeouts travel with the request: the callee cancels an ``async`` call's task when its time is
+up, and the caller also sends CANCEL when it gives up, so abandoned work stops on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from rpcdist import serialization
+from rpcdist._runtime import current_loop
+from rpcdist.errors import (
+    PayloadTooLargeError,
+    RemoteError,
+    RpcError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+    WorkerUnavailableError,
+)
+from rpcdist.futures import Future
+from rpcdist.rendezvous import Member, Rendezvous
+from rpcdist.rpc import wire
+from rpcdist.rpc._threads import LoopInbox, WorkerPool
+from rpcdist.rpc.functions import is_async_execution
+from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+EXCHANGE_METHOD = "/rpcdist.v1.Agent/Exchange"
+_MAX_FRAME_BYTES = 1 << 20
+_GRPC_MESSAGE_LIMIT = 64 << 20
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _GRPC_MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", _GRPC_MESSAGE_LIMIT),
+    ("grpc.so_reuseport", 0),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+]
+
+Entries = Iterator[list[bytes | memoryview]]
+
+
+class _FrameWriter:
+    """Writes queued messages to one stream, many small envelopes per write.
+
+    Large messages are interleaved chunk by chunk with others, so a 1 GiB tensor does not hold
+    up small calls to the same peer.
+    """
+
+    def __init__(self, write: Callable[[bytes], Any], name: str) -> None:
+        self._write = write
+        self._messages: collections.deque[Entries] = collections.deque()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
+
+    def send(self, entries: Entries) -> None:
+        self._messages.append(entries)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        messages = self._messages
+        while True:
+            if not messages:
+                if self._closed:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            pieces: list[bytes | memoryview] = []
+            size = 0
+            while messages and size < _MAX_FRAME_BYTES:
+                entry = next(messages[0], None)
+                if entry is None:
+                    messages.popleft()
+                    continue
+                pieces += entry
+                size += sum(len(p) for p in entry)
+                if size >= _MAX_FRAME_BYTES and len(messages) > 1:
+                    messages.rotate(-1)  # a big message yields its turn after each chunk
+            if pieces:
+                await self._write(b"".join(pieces))
+
+    async def close(self) -> None:
+        """Flush what is queued, then stop."""
+        self._closed = True
+        self._wake.set()
+        await self._task
+
+    def abort(self) -> None:
+        self._task.cancel()
+
+
+class _OutgoingCall:
+    __slots__ = ("dest", "function", "payload", "buffers", "timeout", "future", "timer", "call_id")
+
+    def __init__(
+        self,
+        dest: WorkerInfo,
+        function: str,
+        payload: bytes,
+        buffers: list[memoryview],
+        timeout: float,
+        future: Future[Any],
+    ) -> None:
+        self.dest = dest
+        self.function = function
+        self.payload = payload
+        self.buffers = buffers
+        self.timeout = timeout
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None
+        self.call_id = 0
+
+
+class _PeerConnection:
+    """The caller's end of the Exchange stream to one peer."""
+
+    def __init__(self, agent: RpcAgent, peer: WorkerInfo, address: str) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.call = self.channel.stream_stream(
+            EXCHANGE_METHOD, request_serializer=None, response_deserializer=None
+        )()
+        self.writer = _FrameWriter(self.call.write, peer.name)
+        self.assemblies: dict[int, wire.Assembly] = {}
+        self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"rpcdist-reader-{peer.name}")
+
+    async def _read(self) -> None:
+        reason = "the stream ended"
+        try:
+            while True:
+                raw = await self.call.read()
+                if raw is grpc.aio.EOF:
+                    break
+                self.agent._on_reply_frame(self, raw)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "the connection was closed"
+            raise
+        except Exception as exc:  # a malformed reply: fail this peer's calls, keep the agent up
+            log.exception("bad frame from %s", self.peer.name)
+            reason = f"bad frame: {exc}"
+        finally:
+            self.agent._on_connection_lost(self, reason)
+
+    async def close(self, graceful: bool) -> None:
+        try:
+            if graceful:
+                await asyncio.wait_for(self.writer.close(), 5.0)
+                await asyncio.wait_for(self.call.done_writing(), 5.0)
+                await asyncio.wait_for(asyncio.shield(self.reader), 5.0)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            self.writer.abort()
+            self.reader.cancel()
+            await self.channel.close(grace=None)
+
+
+class _InboundSession:
+    """The callee's end of one caller's Exchange stream."""
+
+    def __init__(self, agent: RpcAgent, context: grpc.aio.ServicerContext) -> None:
+        self.agent = agent
+        self.writer = _FrameWriter(context.write, "inbound")
+        self.assemblies: dict[int, wire.Assembly] = {}
+        self.running: dict[int, Any] = {}  # call_id -> asyncio.Task or _ThreadJob
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def respond(self, entries: Entries) -> None:
+        self.writer.send(entries)
+
+    def track(self, call_id: int, job: Any) -> None:
+        self.running[call_id] = job
+        self.idle.clear()
+
+    def untrack(self, call_id: int) -> None:
+        self.running.pop(call_id, None)
+        if not self.running:
+            self.idle.set()
+
+
+class _ThreadJob:
+    """A blocking user function queued on the worker pool; skipped if cancelled before start."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class RpcAgent:
+    """One per process: serves calls from peers and sends this process's calls to them."""
+
+    def __init__(
+        self,
+        info: WorkerInfo,
+        world_size: int,
+        options: RpcBackendOptions,
+        rendezvous: Rendezvous,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.info = info
+        self.world_size = world_size
+        self.options = options
+        self.rendezvous = rendezvous
+        self.loop = loop
+        self.workers_by_rank: dict[int, WorkerInfo] = {}
+        self.workers_by_name: dict[str, WorkerInfo] = {}
+        self.addresses: dict[int, str] = {}
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._pool = WorkerPool(options.num_worker_threads, f"rpcdist-{info.name}")
+        self._inbox = LoopInbox(loop)
+        self._call_ids = itertools.count(1)
+        self._pending: dict[int, _OutgoingCall] = {}
+        self._peers: dict[int, _PeerConnection] = {}
+        self._sessions: set[_InboundSession] = set()
+        self._no_pending = asyncio.Event()
+        self._no_pending.set()
+        self._closing = False
+        self._closed = False
+        self._loop_thread_id = threading.get_ident()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def serve(self, host: str) -> int:
+        """Start the gRPC server on ``host`` (ephemeral port); returns the port."""
+        handler = grpc.method_handlers_generic_handler(
+            "rpcdist.v1.Agent",
+            {
+                "Exchange": grpc.stream_stream_rpc_method_handler(
+                    self._exchange, request_deserializer=None, response_serializer=None
+                )
+            },
+        )
+        self.server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        await self.server.start()
+        return self.port
+
+    def set_members(self, members: list[Member]) -> None:
+        for member in members:
+            info = WorkerInfo(member.name, member.rank)
+            self.workers_by_rank[member.rank] = info
+            self.workers_by_name[member.name] = info
+            self.addresses[member.rank] = member.address
+
+    async def wait_for_outstanding(self, timeout: float) -> None:
+        """Wait until every call this worker made has completed (or ``timeout`` passes)."""
+        try:
+            await asyncio.wait_for(self._no_pending.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%s: %d calls still outstanding at shutdown", self.info.name, len(self._pending))
+
+    async def close(self, graceful: bool) -> None:
+        """Close streams, server and threads. Outstanding calls fail with WorkerUnavailableError."""
+        if self._closed:
+            return
+        self._closing = True
+        for peer in list(self._peers.values()):
+            await peer.close(graceful)
+        self._peers.clear()
+        if self.server is not None:
+            await self.server.stop(grace=1.0 if graceful else None)
+        for call_id in list(self._pending):
+            self._fail(call_id, WorkerUnavailableError(f"worker {self.info.name} shut down"))
+        self._pool.shutdown(timeout=1.0 if graceful else 0.1)
+        self._closed = True
+
+    async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Run a user function the way calls run: ``async def`` on the loop, others on the pool."""
+        if inspect.iscoroutinefunction(func):
+            return await func(*args, **kwargs)
+        done = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = func(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001
+                self._inbox.post(lambda e=exc: done.done() or done.set_exception(e))
+                return
+            self._inbox.post(lambda: done.done() or done.set_result(result))
+
+        self._pool.submit(run)
+        result = await done
+        if is_async_execution(func) or inspect.isawaitable(result):
+            result = await _awaitable(result)
+        return result
+
+    # ------------------------------------------------------------------ resolving workers
+    def worker(self, to: str | int | WorkerInfo) -> WorkerInfo:
+        """The WorkerInfo for a name, rank or WorkerInfo; UnknownWorkerError if none matches."""
+        if isinstance(to, WorkerInfo):
+            info = self.workers_by_rank.get(to.id)
+            if info is None or info.name != to.name:
+                raise UnknownWorkerError(f"{to!r} is not a worker of this group")
+            return info
+        if isinstance(to, str):
+            info = self.workers_by_name.get(to)
+            if info is None:
+                raise UnknownWorkerError(
+                    f"no worker named {to!r}; known workers: {sorted(self.workers_by_name)}"
+                )
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            info = self.workers_by_rank.get(to)
+            if info is None:
+                raise UnknownWorkerError(f"no worker with rank {to}; ranks are 0..{self.world_size - 1}")
+            return info
+        raise TypeError(f"`to` must be a worker name, rank or WorkerInfo, not {type(to).__name__}")
+
+    # ------------------------------------------------------------------ caller side
+    def submit(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...] | None,
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+        *,
+        function_name: str | None = None,
+    ) -> Future[Any]:
+        """Send a call from any thread; returns its Future. Raises at once on bad input."""
+        if self._closing:
+            raise RpcError(f"worker {self.info.name} is shut down; call init_rpc first")
+        dest = self.worker(to)
+        name = function_name or serialization.check_importable(func)
+        payload, buffers = serialization.dumps((func, tuple(args or ()), dict(kwargs or {})))
+        size = len(payload) + sum(len(b) for b in buffers)
+        if size > self.options.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"call to {name} on {dest.name} carries {size} bytes, above max_payload_bytes="
+                f"{self.options.max_payload_bytes}"
+            )
+        if timeout is None or timeout < 0:
+            timeout = self.options.rpc_timeout
+        future: Future[Any] = Future(loop=self.loop)
+        call = _OutgoingCall(dest, name, payload, buffers, timeout, future)
+        if threading.get_ident() == self._loop_thread_id:
+            self._start_call(call)
+        else:
+            self._inbox.post(lambda: self._start_call(call))
+        return future
+
+    def _start_call(self, call: _OutgoingCall) -> None:
+        if self._closing:
+            call.future._try_complete(None, RpcError(f"worker {self.info.name} is shutting down"))
+            return
+        call.call_id = call_id = next(self._call_ids)
+        try:
+            peer = self._connection(call.dest.id)
+        except Exception as exc:
+            call.future._try_complete(None, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
+            return
+        self._pending[call_id] = call
+        self._no_pending.clear()
+        if call.timeout > 0:
+            call.timer = self.loop.call_later(call.timeout, self._expire, call_id)
+        peer.writer.send(
+            wire.encode_message(
+                call_id,
+                wire.REQUEST,
+                call.payload,
+                call.buffers,
+                chunk_bytes=self.options.chunk_bytes,
+                timeout_seconds=call.timeout,
+                function=call.function,
+                caller_rank=self.info.id,
+            )
+        )
+        call.payload, call.buffers = b"", []  # the writer holds them now
+
+    def _connection(self, rank: int) -> _PeerConnection:
+        peer = self._peers.get(rank)
+        if peer is None:
+            peer = _PeerConnection(self, self.workers_by_rank[rank], self.addresses[rank])
+            self._peers[rank] = peer
+        return peer
+
+    def _expire(self, call_id: int) -> None:
+        call = self._pending.get(call_id)
+        if call is None:
+            return
+        self._fail(
+            call_id,
+            RpcTimeoutError(
+                f"call to {call.function} on worker {call.dest.name} timed out after {call.timeout:g} s "
+                "(the callee was asked to cancel it)"
+            ),
+        )
+        peer = self._peers.get(call.dest.id)
+        if peer is not None:
+            peer.writer.send(iter([wire.encode_control(call_id, wire.CANCEL)]))
+
+    def _fail(self, call_id: int, error: BaseException) -> None:
+        call = self._pending.pop(call_id, None)
+        if call is None:
+            return
+        if call.timer is not None:
+            call.timer.cancel()
+        if not self._pending:
+            self._no_pending.set()
+        call.future._try_complete(None, error)
+
+    def _on_reply_frame(self, peer: _PeerConnection, raw: bytes) -> None:
+        for env in wire.decode_frame(raw):
+            message = _collect(peer.assemblies, env)
+            if message is None:
+                continue
+            header, buffers = message
+            call = self._pending.pop(header.call_id, None)
+            if call is None:
+                continue  # timed out or cancelled meanwhile
+            if call.timer is not None:
+                call.timer.cancel()
+            if not self._pending:
+                self._no_pending.set()
+            if header.kind == wire.RESPONSE:
+                try:
+                    result = serialization.loads(header.payload, buffers)
+                except Exception as exc:
+                    call.future._try_complete(
+                        None, SerializationError(f"cannot unpickle the result of {call.function}: {exc}")
+                    )
+                    continue
+                call.future._try_complete(result, None)
+            else:
+                call.future._try_complete(None, _rebuild_error(header.payload, buffers, call))
+
+    def _on_connection_lost(self, peer: _PeerConnection, reason: str) -> None:
+        if self._peers.get(peer.peer.id) is peer:
+            del self._peers[peer.peer.id]
+        for call_id, call in list(self._pending.items()):
+            if call.dest.id == peer.peer.id:
+                self._fail(
+                    call_id,
+                    WorkerUnavailableError(
+                        f"lost the connection to worker {peer.peer.name} ({peer.address}) while calling "
+                        f"{call.function}: {reason}"
+                    ),
+                )
+
+    # ------------------------------------------------------------------ callee side
+    async def _exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        session = _InboundSession(self, context)
+        self._sessions.add(session)
+        try:
+            async for raw in request_iterator:
+                try:
+                    envelopes = wire.decode_frame(raw)
+                    for env in envelopes:
+                        message = _collect(session.assemblies, env)
+                        if message is not None:
+                            self._on_request(session, *message)
+                except wire.FrameError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
+            await session.idle.wait()  # the caller is done sending: finish its calls first
+            await session.writer.close()
+        finally:
+            for job in session.running.values():
+                job.cancel()
+            session.writer.abort()
+            self._sessions.discard(session)
+
+    def _on_request(self, session: _InboundSession, header: Any, buffers: list[memoryview]) -> None:
+        call_id = header.call_id
+        if header.kind == wire.CANCEL:
+            job = session.running.get(call_id)
+            if job is not None:
+                job.cancel()
+            return
+        if header.kind != wire.REQUEST:
+            return
+        function = header.function
+        try:
+            func, args, kwargs = serialization.loads(header.payload, buffers)
+        except Exception as exc:
+            self._respond_error(session, call_id, function, exc, loading=True)
+            return
+        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+            getattr(func, "_wrapped_async_rpc_function", None)
+        ):
+            task = self.loop.create_task(self._run_async(session, call_id, function, func, args, kwargs))
+            session.track(call_id, task)
+            if header.timeout_seconds > 0:
+                self.loop.call_later(header.timeout_seconds, task.cancel)
+        else:
+            job = _ThreadJob()
+            session.track(call_id, job)
+            deadline = time.monotonic() + header.timeout_seconds if header.timeout_seconds > 0 else None
+            self._pool.submit(lambda: self._run_blocking(session, call_id, function, func, args, kwargs, job, deadline))
+
+    async def _run_async(
+        self, session: _InboundSession, call_id: int, function: str, func: Any, args: Any, kwargs: Any
+    ) -> None:
+        try:
+            result = await func(*args, **kwargs)
+            if is_async_execution(func):
+                result = await _awaitable(result)
+            self._respond(session, call_id, function, result)
+        except asyncio.CancelledError:
+            log.debug("%s: call %s to %s cancelled", self.info.name, call_id, function)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            self._respond_error(session, call_id, function, exc)
+        finally:
+            session.untrack(call_id)
+
+    def _run_blocking(
+        self,
+        session: _InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        job: _ThreadJob,
+        deadline: float | None,
+    ) -> None:
+        """Runs on a pool thread."""
+        if job.cancelled or (deadline is not None and time.monotonic() > deadline):
+            self._inbox.post(lambda: session.untrack(call_id))
+            return
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001
+            self._inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
+            return
+        if is_async_execution(func):
+            self._inbox.post(lambda: self._finish_later(session, call_id, function, result))
+            return
+        try:
+            entries = self._encode_result(call_id, function, result)
+        except BaseException as exc:  # noqa: BLE001
+            self._inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
+            return
+        self._inbox.post(lambda: self._finish(session, call_id, entries))
+
+    def _finish(self, session: _InboundSession, call_id: int, entries: Entries) -> None:
+        session.untrack(call_id)
+        session.respond(entries)
+
+    def _finish_error(self, session: _InboundSession, call_id: int, function: str, exc: BaseException) -> None:
+        session.untrack(call_id)
+        self._respond_error(session, call_id, function, exc)
+
+    def _finish_later(self, session: _InboundSession, call_id: int, function: str, result: Any) -> None:
+        async def complete() -> None:
+            try:
+                value = await _awaitable(result)
+                self._respond(session, call_id, function, value)
+            except asyncio.CancelledError:
+                pass
+            except BaseException as exc:  # noqa: BLE001
+                self._respond_error(session, call_id, function, exc)
+            finally:
+                session.untrack(call_id)
+
+        session.track(call_id, self.loop.create_task(complete()))
+
+    def _encode_result(self, call_id: int, function: str, result: Any) -> Entries:
+        payload, buffers = serialization.dumps(result)
+        size = len(payload) + sum(len(b) for b in buffers)
+        if size > self.options.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"the result of {function} is {size} bytes, above max_payload_bytes="
+                f"{self.options.max_payload_bytes}"
+            )
+        return wire.encode_message(
+            call_id, wire.RESPONSE, payload, buffers, chunk_bytes=self.options.chunk_bytes
+        )
+
+    def _respond(self, session: _InboundSession, call_id: int, function: str, result: Any) -> None:
+        try:
+            session.respond(self._encode_result(call_id, function, result))
+        except BaseException as exc:  # noqa: BLE001
+            self._respond_error(session, call_id, function, exc)
+
+    def _respond_error(
+        self, session: _InboundSession, call_id: int, function: str, exc: BaseException, loading: bool = False
+    ) -> None:
+        what = f"loading the call to {function}" if loading else function
+        text = "".join(traceback.format_exception(exc))
+        description = {
+            "worker": self.info.name,
+            "function": function,
+            "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "message": f"{type(exc).__name__}: {exc}" + (f" (while {what})" if loading else ""),
+            "traceback": text,
+        }
+        try:
+            payload, buffers = serialization.dumps({**description, "exception": exc})
+            serialization.loads(payload, [bytearray(b) for b in buffers])  # must rebuild on the caller
+        except Exception:
+            payload, buffers = serialization.dumps({**description, "exception": None})
+        session.respond(wire.encode_message(call_id, wire.ERROR, payload, buffers))
+
+
+def _collect(assemblies: dict[int, wire.Assembly], env: Any) -> tuple[Any, list[memoryview]] | None:
+    """Feed one envelope; returns (header, buffers) once its message is complete."""
+    if env.kind == wire.CHUNK:
+        assembly = assemblies.get(env.call_id)
+        if assembly is None:
+            raise wire.FrameError(f"CHUNK for unknown message {env.call_id}")
+        assembly.feed(env.data)
+        if not assembly.complete:
+            return None
+        del assemblies[env.call_id]
+        return assembly.header, assembly.buffers
+    if not env.buffer_sizes:
+        return env, []
+    assembly = wire.Assembly(env)
+    if assembly.complete:
+        return env, assembly.buffers
+    assemblies[env.call_id] = assembly
+    return None
+
+
+async def _awaitable(result: Any) -> Any:
+    """Await what an ``async_execution`` function returned: our Future, torch's, or a coroutine."""
+    if isinstance(result, Future) or inspect.isawaitable(result):
+        return await result
+    wait = getattr(result, "wait", None)
+    if callable(wait) and hasattr(result, "add_done_callback"):  # torch.futures.Future
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        result.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, done))
+        await done
+        return result.wait()
+    raise TypeError(
+        f"an @async_execution function must return a Future or awaitable, not {type(result).__name__}"
+    )
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _rebuild_error(payload: bytes | memoryview, buffers: list[memoryview], call: _OutgoingCall) -> BaseException:
+    """The exception the caller sees: the remote type when it rebuilds here, else RemoteError."""
+    try:
+        info = serialization.loads(payload, buffers)
+    except Exception as exc:
+        return RemoteError(f"{call.function} failed on worker {call.dest.name} (error not readable: {exc})")
+    where = f"on worker {info['worker']} in {info['function']}"
+    exc = info.get("exception")
+    if isinstance(exc, BaseException):
+        exc.remote_traceback = info["traceback"]  # type: ignore[attr-defined]
+        exc.remote_worker = info["worker"]  # type: ignore[attr-defined]
+        exc.remote_function = info["function"]  # type: ignore[attr-defined]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"Raised {where}. Remote traceback:\n{info['traceback']}")
+        return exc
+    error = RemoteError(
+        f"{info['message']} (raised {where})\nRemote traceback:\n{info['traceback']}",
+        remote_type=info["type"],
+        remote_traceback=info["traceback"],
+    )
+    error.remote_worker = info["worker"]  # type: ignore[attr-defined]
+    error.remote_function = info["function"]  # type: ignore[attr-defined]
+    return error
+
+
+def running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    return current_loop() is loop

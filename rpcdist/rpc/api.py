@@ -1,0 +1,214 @@
+"""The public RPC functions (``rpcdist.rpc``), with torch.distributed.rpc's signatures.
+
+Blocking forms work from plain threads; ``*_async`` forms and returned Futures are awaitable.
+``init_rpc`` runs the agent's event loop in a background thread; ``await init_rpc_async``
+runs it on the caller's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rpcdist import rendezvous as rdv
+from rpcdist._runtime import acquire_loop, call_blocking, release_loop
+from rpcdist.errors import RpcError
+from rpcdist.futures import Future
+from rpcdist.rpc.agent import RpcAgent
+from rpcdist.rpc.options import BackendType, RpcBackendOptions, WorkerInfo
+from rpcdist.store import PrefixStore
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "init_rpc",
+    "init_rpc_async",
+    "shutdown",
+    "shutdown_async",
+    "rpc_sync",
+    "rpc_async",
+    "remote",
+    "get_worker_info",
+    "get_all_worker_infos",
+]
+
+_agent: RpcAgent | None = None
+_owns_loop = False
+_lock = threading.Lock()
+_STORE_PREFIX = "rpc"
+
+
+def _current_agent() -> RpcAgent:
+    agent = _agent
+    if agent is None:
+        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+    return agent
+
+
+async def init_rpc_async(
+    name: str,
+    backend: BackendType | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Join the group as ``name``; everything runs on the calling event loop."""
+    global _agent
+    if _agent is not None:
+        raise RpcError(f"RPC is already initialized in this process (as {_agent.info.name})")
+    options = rpc_backend_options or RpcBackendOptions()
+    rank, world_size = rdv.resolve_rank_and_size(rank, world_size)
+    loop = asyncio.get_running_loop()
+    timeout = options.store_timeout
+    meeting = await rdv.rendezvous(options.init_method, rank, world_size, timeout)
+    agent = RpcAgent(WorkerInfo(name, rank), world_size, options, meeting, loop)
+    try:
+        listen = options.listen_host or _default_listen_host(meeting.host)
+        port = await agent.serve(listen)
+        advertise = options.advertise_host or (
+            listen if listen != "0.0.0.0" else rdv.local_address_towards(meeting.host or "8.8.8.8")
+        )
+        store = PrefixStore(_STORE_PREFIX, meeting.store)
+        members = await rdv.join_group(store, name, rank, world_size, f"{advertise}:{port}", timeout)
+        agent.set_members(members)
+    except BaseException:
+        await agent.close(graceful=False)
+        await meeting.close()
+        raise
+    _agent = agent
+    log.info("%s (rank %d of %d) serving on port %d", name, rank, world_size, port)
+
+
+def _default_listen_host(store_host: str | None) -> str:
+    if store_host is None or rdv.is_loopback(store_host):
+        return os.environ.get("RPCDIST_HOST", "127.0.0.1")
+    return "0.0.0.0"
+
+
+def init_rpc(
+    name: str,
+    backend: BackendType | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Join the group as ``name`` (blocking; the event loop runs in a background thread).
+
+    Returns once all ``world_size`` workers have joined.
+    """
+    global _owns_loop
+    with _lock:
+        loop = acquire_loop()
+        try:
+            call_blocking(loop, init_rpc_async(name, backend, rank, world_size, rpc_backend_options))
+        except BaseException:
+            release_loop(loop)
+            raise
+        _owns_loop = True
+
+
+async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
+    """Leave the group. ``graceful`` first waits for every worker to finish its outstanding
+    calls (a store barrier); ``timeout`` bounds that wait (0: the default RPC timeout).
+    """
+    global _agent
+    agent = _agent
+    if agent is None:
+        return
+    limit = timeout or agent.options.rpc_timeout or 60.0
+    store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
+    try:
+        if graceful:
+            await agent.wait_for_outstanding(limit)
+            try:
+                await rdv.leave_barrier(store, "shutdown", agent.world_size, limit)
+            except Exception as exc:  # a peer died: still close everything below
+                log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
+        await agent.close(graceful)
+        if graceful:
+            # The worker hosting the store keeps serving it until every worker has left.
+            try:
+                if agent.rendezvous.server is not None:
+                    await rdv.leave_barrier(store, "exit", agent.world_size, limit)
+                else:
+                    await rdv.arrive(store, "exit", agent.world_size)
+            except Exception as exc:
+                log.warning("%s: exit barrier failed: %s", agent.info.name, exc)
+        await agent.rendezvous.close()
+    finally:
+        _agent = None
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Blocking form of :func:`shutdown_async`; also stops the background loop thread."""
+    global _owns_loop
+    with _lock:
+        agent = _agent
+        if agent is None:
+            return
+        loop = agent.loop
+        try:
+            call_blocking(loop, shutdown_async(graceful, timeout))
+        finally:
+            if _owns_loop:
+                _owns_loop = False
+                release_loop(loop)
+
+
+def rpc_async(
+    to: str | int | WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = -1.0,
+) -> Future[Any]:
+    """Call ``func(*args, **kwargs)`` on worker ``to``; returns a Future of the result.
+
+    ``timeout`` in seconds: -1 uses the default ``rpc_timeout``, 0 waits without limit.
+    """
+    return _current_agent().submit(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(
+    to: str | int | WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = -1.0,
+) -> Any:
+    """Call ``func(*args, **kwargs)`` on worker ``to`` and wait for the result.
+
+    Raises the remote exception (with the remote traceback attached) or RpcTimeoutError.
+    """
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def remote(
+    to: str | int | WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = -1.0,
+) -> Any:
+    """Run ``func`` on ``to`` and keep the result there; returns an RRef to it."""
+    from rpcdist.rpc.rref import create_remote
+
+    return create_remote(_current_agent(), to, func, args, kwargs, timeout)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """This worker's WorkerInfo, or that of ``worker_name``."""
+    agent = _current_agent()
+    if worker_name is None:
+        return agent.info
+    return agent.worker(worker_name)
+
+
+def get_all_worker_infos() -> list[WorkerInfo]:
+    """Every worker of the group, by rank."""
+    agent = _current_agent()
+    return [agent.workers_by_rank[r] for r in sorted(agent.workers_by_rank)]

@@ -1,0 +1,250 @@
+"""Frames on the Exchange stream: encoding and decoding of ``rpcdist.v1.Frame``.
+
+The bytes are exactly the protobuf encoding of ``Frame``/``Envelope`` (protos/rpcdist/v1/
+agent.proto), but built and read here by hand so that tensor bytes are copied once into the
+outgoing message and read back as zero-copy slices of the incoming one (protobuf's own
+Python classes would copy every ``bytes`` field again on both sides).
+
+A message whose buffers exceed one chunk goes out as a header envelope followed by CHUNK
+envelopes; :class:`Assembly` puts the buffers back together on the receiving side.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from google.protobuf.message import DecodeError
+
+from rpcdist.v1 import agent_pb2
+
+REQUEST = agent_pb2.REQUEST
+RESPONSE = agent_pb2.RESPONSE
+ERROR = agent_pb2.ERROR
+CANCEL = agent_pb2.CANCEL
+CHUNK = agent_pb2.CHUNK
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+_FRAME_ENVELOPE_TAG = b"\x0a"  # Frame.envelopes: field 1, length-delimited
+_DATA_TAG = b"\x2a"  # Envelope.data: field 5, length-delimited
+_unpack_double = struct.Struct("<d").unpack_from
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _envelope_entry(header: bytes, data: memoryview | bytes) -> list[bytes | memoryview]:
+    """The pieces of one ``Frame.envelopes`` entry: header fields plus the ``data`` field."""
+    body_len = len(header)
+    pieces: list[bytes | memoryview] = [b"", header]
+    if len(data):
+        data_prefix = _DATA_TAG + _varint(len(data))
+        body_len += len(data_prefix) + len(data)
+        pieces += [data_prefix, data]
+    pieces[0] = _FRAME_ENVELOPE_TAG + _varint(body_len)
+    return pieces
+
+
+@dataclass(slots=True)
+class Envelope:
+    """One decoded envelope; ``data`` is a zero-copy slice of the received frame."""
+
+    call_id: int = 0
+    kind: int = 0
+    payload: bytes | memoryview = b""
+    buffer_sizes: list[int] = field(default_factory=list)
+    data: memoryview | bytes = b""
+    timeout_seconds: float = 0.0
+    function: str = ""
+    caller_rank: int = 0
+
+
+class FrameError(ValueError):
+    """The bytes are not a well-formed Frame."""
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end:
+            raise FrameError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise FrameError("varint too long")
+
+
+_SMALL_FRAME_BYTES = 64 << 10
+
+
+def decode_frame(raw: bytes) -> Sequence[Envelope]:
+    """Parse a Frame; raises :class:`FrameError` on malformed or truncated input.
+
+    Small frames go through protobuf's C parser (fast, and the copies are tiny); large ones
+    through the zero-copy reader below. Both give objects with the same fields.
+    """
+    if len(raw) < _SMALL_FRAME_BYTES:
+        try:
+            return agent_pb2.Frame.FromString(raw).envelopes  # type: ignore[return-value]
+        except DecodeError as exc:
+            raise FrameError(f"cannot parse frame: {exc}") from None
+    buf = memoryview(raw)
+    end = len(buf)
+    pos = 0
+    envelopes = []
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        if key != 0x0A:
+            raise FrameError(f"unexpected Frame field key {key}")
+        length, pos = _read_varint(buf, pos, end)
+        if pos + length > end:
+            raise FrameError("truncated envelope")
+        envelopes.append(_decode_envelope(buf, pos, pos + length))
+        pos += length
+    return envelopes
+
+
+def _decode_envelope(buf: memoryview, pos: int, end: int) -> Envelope:
+    env = Envelope()
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            value, pos = _read_varint(buf, pos, end)
+            if number == 1:
+                env.call_id = value
+            elif number == 2:
+                env.kind = value
+            elif number == 8:
+                env.caller_rank = value if value < 1 << 31 else value - (1 << 64)
+            elif number == 4:
+                env.buffer_sizes.append(value)
+        elif wire_type == 2:
+            length, pos = _read_varint(buf, pos, end)
+            stop = pos + length
+            if stop > end:
+                raise FrameError("truncated field")
+            if number == 3:
+                env.payload = buf[pos:stop]
+            elif number == 5:
+                env.data = buf[pos:stop]
+            elif number == 4:
+                while pos < stop:
+                    value, pos = _read_varint(buf, pos, stop)
+                    env.buffer_sizes.append(value)
+            elif number == 7:
+                env.function = bytes(buf[pos:stop]).decode("utf-8", "replace")
+            pos = stop
+        elif wire_type == 1:
+            if pos + 8 > end:
+                raise FrameError("truncated fixed64")
+            if number == 6:
+                env.timeout_seconds = _unpack_double(buf, pos)[0]
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise FrameError(f"unsupported wire type {wire_type}")
+    if pos != end:
+        raise FrameError("envelope overruns its length")
+    return env
+
+
+def encode_message(
+    call_id: int,
+    kind: int,
+    payload: bytes,
+    buffers: Sequence[memoryview],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeout_seconds: float = 0.0,
+    function: str = "",
+    caller_rank: int = 0,
+) -> Iterator[list[bytes | memoryview]]:
+    """Yield the envelope entries of one message: a header, then CHUNKs of its buffer bytes.
+
+    Entries are made lazily, so a 1 GiB tensor is never copied whole into a queue.
+    """
+    sizes = [len(b) for b in buffers]
+    header = agent_pb2.Envelope(
+        call_id=call_id,
+        kind=kind,
+        payload=payload,
+        buffer_sizes=sizes,
+        timeout_seconds=timeout_seconds,
+        function=function,
+        caller_rank=caller_rank,
+    ).SerializeToString()
+    total = sum(sizes)
+    if total <= chunk_bytes:
+        data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
+        yield _envelope_entry(header, data)
+        return
+    yield _envelope_entry(header, b"")
+    chunk_header = agent_pb2.Envelope(call_id=call_id, kind=CHUNK).SerializeToString()
+    for buffer in buffers:
+        view = buffer.cast("B") if buffer.format != "B" else buffer
+        for start in range(0, len(view), chunk_bytes):
+            yield _envelope_entry(chunk_header, view[start : start + chunk_bytes])
+
+
+def encode_control(call_id: int, kind: int) -> list[bytes | memoryview]:
+    """A bodiless envelope entry (e.g. CANCEL)."""
+    return _envelope_entry(agent_pb2.Envelope(call_id=call_id, kind=kind).SerializeToString(), b"")
+
+
+class Assembly:
+    """Collects a message's buffers from its header envelope and following CHUNKs.
+
+    Buffers are allocated as fresh tensors' memory, so rebuilt tensors own writable memory.
+    """
+
+    __slots__ = ("header", "buffers", "_views", "_index", "_offset", "remaining")
+
+    def __init__(self, header: Envelope) -> None:
+        self.header = header
+        self.buffers: list[memoryview] = []
+        self._views: list[memoryview] = []
+        for size in header.buffer_sizes:
+            view = memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if size else memoryview(b"")
+            self.buffers.append(view)
+            self._views.append(view)
+        self._index = 0
+        self._offset = 0
+        self.remaining = sum(header.buffer_sizes)
+        if header.data:
+            self.feed(header.data)
+
+    def feed(self, data: memoryview | bytes) -> None:
+        """Copy the next ``data`` bytes into place; raises FrameError on overflow."""
+        if len(data) > self.remaining:
+            raise FrameError("message carries more bytes than its header announced")
+        pos = 0
+        while pos < len(data):
+            while self._offset == len(self._views[self._index]):
+                self._index += 1
+                self._offset = 0
+            target = self._views[self._index]
+            n = min(len(target) - self._offset, len(data) - pos)
+            target[self._offset : self._offset + n] = data[pos : pos + n]
+            self._offset += n
+            pos += n
+        self.remaining -= len(data)
+
+    @property
+    def complete(self) -> bool:
+        return self.remaining == 0

@@ -1,0 +1,20 @@
+"""Key-value stores with torch.distributed's c10d ``Store`` semantics.
+
+- :class:`HashStore` — in this process's memory;
+- :class:`FileStore` — a file on a filesystem shared by the processes;
+- :class:`GrpcStore` — a client of the gRPC store service (``rpcdist-server`` or a
+  :class:`StoreServer` embedded in a program);
+- :class:`PrefixStore` — a namespaced view of another store.
+
+Every store has blocking methods with torch's names (``set``, ``get``, ``add``, ``compare_set``,
+``wait``, ``check``, ``delete_key``, ``num_keys``) and ``*_async`` coroutines usable from any loop.
+"""
+
+from rpcdist.store.api import PrefixStore, Store
+from rpcdist.store.file_store import FileStore
+from rpcdist.store.grpc_store import GrpcStore
+from rpcdist.store.hash_store import HashStore
+from rpcdist.store.memory import KeyValueState
+from rpcdist.store.service import StoreServer
+
+__all__ = ["Store", "PrefixStore", "HashStore", "FileStore", "GrpcStore", "StoreServer", "KeyValueState"]

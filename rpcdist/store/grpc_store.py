@@ -1,0 +1,198 @@
+"""GrpcStore: the client of the gRPC Store service (``rpcdist-server`` or a StoreServer).
+
+One long-lived ``grpc.aio`` channel per store object, created on first use on the store's loop.
+Blocking operations wait on the server: the request carries the timeout, and the call's gRPC
+deadline is set a little later so that nothing hangs if the server never answers::
+
+    store = GrpcStore("127.0.0.1", 29500)
+    store.set("x", b"1")
+    value = store.get("x")
+
+Errors: keys not set in time raise StoreTimeoutError naming them; ``add`` on a non-integer
+raises StoreValueError; a server that cannot be reached within ``connect_timeout`` (or that
+goes away) raises StoreError saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
+from rpcdist.store.api import DEFAULT_TIMEOUT, Store, to_seconds
+from rpcdist.store.memory import INT64_MAX, INT64_MIN
+from rpcdist.store.service import MAX_MESSAGE_BYTES, format_address
+from rpcdist.v1 import store_pb2, store_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GrpcStore"]
+
+# How much later than the server-side timeout the client's own gRPC deadline falls.
+DEADLINE_SLACK = 2.0
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Workers often start before the store: retry the connection quickly, not with gRPC's
+    # default backoff that grows to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class GrpcStore(Store):
+    """A client of the Store service at ``host:port``.
+
+    ``timeout`` is the default for ``get``/``wait`` (and bounds every other call);
+    ``connect_timeout`` bounds waiting for the server to accept a connection (default: the
+    same as ``timeout``, as torch's TCPStore client waits). Timeouts ``<= 0`` mean no limit.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
+        connect_timeout: float | timedelta | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        self.host = host
+        self.port = int(port)
+        self.connect_timeout = to_seconds(connect_timeout, self._timeout)
+        self._target = format_address(host, self.port)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: store_pb2_grpc.StoreStub | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the store server."""
+        return self._target
+
+    # -- channel -------------------------------------------------------------------------------
+    async def _connected_stub(self) -> store_pb2_grpc.StoreStub:
+        """The stub, once the channel is connected (waits up to ``connect_timeout``)."""
+        if self._closed:
+            raise StoreError(f"this client of the store at {self._target} is closed")
+        if self._channel is None or self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
+            self._stub = store_pb2_grpc.StoreStub(self._channel)
+        channel = self._channel
+        if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
+            limit = self.connect_timeout if 0 < self.connect_timeout < math.inf else None
+            try:
+                await asyncio.wait_for(channel.channel_ready(), limit)
+            except asyncio.TimeoutError:
+                raise StoreError(
+                    f"the store at {self._target} is unreachable "
+                    f"(no connection within {self.connect_timeout:g} s)"
+                ) from None
+        return self._stub
+
+    def _deadline(self, timeout: float) -> float | None:
+        return timeout + DEADLINE_SLACK if 0 < timeout < math.inf else None
+
+    async def _call(
+        self,
+        method_name: str,
+        request: Message,
+        *,
+        keys: Sequence[str],
+        timeout: float | None = None,
+    ) -> Any:
+        """Send ``request`` to ``method_name``; ``timeout`` is the server-side wait (Get/Wait)."""
+        size = request.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise StoreValueError(
+                f"store request for key(s) {list(keys)!r} is {size} bytes, "
+                f"above the {MAX_MESSAGE_BYTES}-byte limit"
+            )
+        stub = await self._connected_stub()
+        method: Callable[..., Awaitable[Any]] = getattr(stub, method_name)
+        deadline = self._deadline(self._timeout if timeout is None else timeout)
+        try:
+            return await method(request, timeout=deadline)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc, method_name, keys, timeout) from exc
+
+    def _translate(
+        self, exc: grpc.aio.AioRpcError, method_name: str, keys: Sequence[str], timeout: float | None
+    ) -> StoreError:
+        code = exc.code()
+        details = exc.details() or ""
+        where = f"the store at {self._target}"
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            if method_name in ("Get", "Wait"):
+                wanted = ", ".join(map(repr, keys))
+                # The server's message names the keys still missing; the client's own
+                # deadline (server gone quiet) only says "Deadline Exceeded".
+                if "waiting for store" in details:
+                    return StoreTimeoutError(f"{details} in {where}")
+                return StoreTimeoutError(
+                    f"timed out after {timeout:g} s waiting for store key(s) {wanted} in {where}"
+                )
+            return StoreTimeoutError(
+                f"{method_name} on key(s) {list(keys)!r} got no answer from {where} "
+                f"within {self._timeout:g} s"
+            )
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            return StoreValueError(details)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return StoreValueError(f"{method_name} on key(s) {list(keys)!r} rejected by {where}: {details}")
+        if code is grpc.StatusCode.UNAVAILABLE:
+            return StoreError(f"{where} is unreachable ({method_name}: {details})")
+        if code is grpc.StatusCode.CANCELLED:
+            return StoreError(f"{method_name} on {where} was cancelled: {details}")
+        return StoreError(f"{method_name} on {where} failed: {code.name}: {details}")
+
+    # -- Store ---------------------------------------------------------------------------------
+    async def _set(self, key: str, value: bytes) -> None:
+        await self._call("Set", store_pb2.SetRequest(key=key, value=value), keys=[key])
+
+    async def _get(self, key: str, timeout: float) -> bytes:
+        request = store_pb2.GetRequest(key=key, timeout_seconds=timeout)
+        response = await self._call("Get", request, keys=[key], timeout=timeout)
+        return bytes(response.value)
+
+    async def _add(self, key: str, amount: int) -> int:
+        if not INT64_MIN <= amount <= INT64_MAX:
+            raise StoreValueError(f"cannot add {amount} to store key {key!r}: amount outside int64")
+        response = await self._call("Add", store_pb2.AddRequest(key=key, amount=amount), keys=[key])
+        return int(response.value)
+
+    async def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        request = store_pb2.CompareSetRequest(key=key, expected=expected, desired=desired)
+        response = await self._call("CompareSet", request, keys=[key])
+        return bytes(response.value)
+
+    async def _wait(self, keys: list[str], timeout: float) -> None:
+        request = store_pb2.WaitRequest(keys=keys, timeout_seconds=timeout)
+        await self._call("Wait", request, keys=keys, timeout=timeout)
+
+    async def _check(self, keys: list[str]) -> bool:
+        response = await self._call("Check", store_pb2.CheckRequest(keys=keys), keys=keys)
+        return bool(response.ready)
+
+    async def _delete_key(self, key: str) -> bool:
+        response = await self._call("DeleteKey", store_pb2.DeleteKeyRequest(key=key), keys=[key])
+        return bool(response.deleted)
+
+    async def _num_keys(self) -> int:
+        response = await self._call("NumKeys", store_pb2.NumKeysRequest(), keys=[])
+        return int(response.count)
+
+    async def _close(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    def __repr__(self) -> str:
+        return f"<GrpcStore {self._target}>"

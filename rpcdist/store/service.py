@@ -1,0 +1,272 @@
+"""The gRPC Store service (``rpcdist.v1.Store``) and a server that hosts it.
+
+:class:`StoreServicer` serves a :class:`~rpcdist.store.memory.KeyValueState`. Its handlers
+receive the request bytes unparsed and decode them themselves, so a malformed or truncated
+request is answered with ``INVALID_ARGUMENT`` (instead of gRPC's generic deserialisation
+failure) and the server goes on serving everyone else. Errors map to status codes:
+
+=========================  ======================
+StoreTimeoutError          DEADLINE_EXCEEDED
+StoreValueError            FAILED_PRECONDITION
+undecodable request        INVALID_ARGUMENT
+=========================  ======================
+
+:class:`StoreServer` runs the service in a ``grpc.aio`` server on the running loop, next to
+the standard gRPC health service::
+
+    server = await StoreServer.start("127.0.0.1", 0)
+    print(server.port)
+    ...
+    await server.stop()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
+from rpcdist.store.memory import KeyValueState
+from rpcdist.v1 import store_pb2
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+
+__all__ = ["SERVICE_NAME", "MAX_MESSAGE_BYTES", "StoreServicer", "StoreServer", "format_address"]
+
+SERVICE_NAME = "rpcdist.v1.Store"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with IPv6 literals bracketed."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    await context.abort(code, details)
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+class StoreServicer:
+    """Implements ``rpcdist.v1.Store`` over a KeyValueState (every handler runs on its loop)."""
+
+    def __init__(self, state: KeyValueState | None = None) -> None:
+        self.state = state if state is not None else KeyValueState()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    async def _parse(self, cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
+        try:
+            return cls.FromString(raw)
+        except DecodeError as exc:
+            log.warning("malformed %s (%d bytes) from %s: %s", cls.__name__, len(raw), context.peer(), exc)
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed {cls.__name__} ({len(raw)} bytes): {exc}",
+            )
+
+    @staticmethod
+    async def _fail(exc: Exception, context: grpc.aio.ServicerContext) -> NoReturn:
+        if isinstance(exc, StoreTimeoutError):
+            await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        if isinstance(exc, StoreValueError):
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.exception("store request failed", exc_info=exc)
+        await _abort(context, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    # -- handlers (request: raw bytes) ---------------------------------------------------------
+    async def Set(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.SetResponse:
+        req = await self._parse(store_pb2.SetRequest, raw, context)
+        self.state.set(req.key, req.value)
+        return store_pb2.SetResponse()
+
+    async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.GetResponse:
+        req = await self._parse(store_pb2.GetRequest, raw, context)
+        try:
+            value = await self.state.get(req.key, req.timeout_seconds)
+        except StoreError as exc:
+            await self._fail(exc, context)
+        return store_pb2.GetResponse(value=value)
+
+    async def Add(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.AddResponse:
+        req = await self._parse(store_pb2.AddRequest, raw, context)
+        try:
+            value = self.state.add(req.key, req.amount)
+        except StoreError as exc:
+            await self._fail(exc, context)
+        return store_pb2.AddResponse(value=value)
+
+    async def CompareSet(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.CompareSetResponse:
+        req = await self._parse(store_pb2.CompareSetRequest, raw, context)
+        value = self.state.compare_set(req.key, req.expected, req.desired)
+        return store_pb2.CompareSetResponse(value=value)
+
+    async def Wait(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.WaitResponse:
+        req = await self._parse(store_pb2.WaitRequest, raw, context)
+        try:
+            await self.state.wait(list(req.keys), req.timeout_seconds)
+        except StoreError as exc:
+            await self._fail(exc, context)
+        return store_pb2.WaitResponse()
+
+    async def Check(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.CheckResponse:
+        req = await self._parse(store_pb2.CheckRequest, raw, context)
+        return store_pb2.CheckResponse(ready=self.state.check(req.keys))
+
+    async def DeleteKey(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.DeleteKeyResponse:
+        req = await self._parse(store_pb2.DeleteKeyRequest, raw, context)
+        return store_pb2.DeleteKeyResponse(deleted=self.state.delete_key(req.key))
+
+    async def NumKeys(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.NumKeysResponse:
+        await self._parse(store_pb2.NumKeysRequest, raw, context)
+        return store_pb2.NumKeysResponse(count=self.state.num_keys())
+
+    # -- registration --------------------------------------------------------------------------
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The service's handlers, each taking the request bytes undeserialised."""
+        responses: dict[str, type[Message]] = {
+            "Set": store_pb2.SetResponse,
+            "Get": store_pb2.GetResponse,
+            "Add": store_pb2.AddResponse,
+            "CompareSet": store_pb2.CompareSetResponse,
+            "Wait": store_pb2.WaitResponse,
+            "Check": store_pb2.CheckResponse,
+            "DeleteKey": store_pb2.DeleteKeyResponse,
+            "NumKeys": store_pb2.NumKeysResponse,
+        }
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for name, response in responses.items():
+            fn: Callable[[bytes, Any], Awaitable[Message]] = getattr(self, name)
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=None, response_serializer=response.SerializeToString
+            )
+        return handlers
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Register the service on ``server``."""
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, self.method_handlers()),)
+        )
+
+
+def _address_in_use(host: str, port: int) -> OSError | None:
+    """After gRPC failed to bind: the OSError a plain bind gets, if any (e.g. EADDRINUSE)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return exc
+    for family, socktype, proto, _, addr in infos:
+        try:
+            with socket.socket(family, socktype, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+        except OSError as exc:
+            return exc
+    return None
+
+
+class StoreServer:
+    """A running gRPC server hosting the Store service and the gRPC health service.
+
+    Use :meth:`start` (on a running loop); the server's handlers run on that loop.
+    """
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        state: KeyValueState,
+        health: health_aio.HealthServicer,
+        host: str,
+        port: int,
+    ) -> None:
+        self._server = server
+        self.state = state
+        self.health = health
+        self.host = host
+        self.port = port
+        self._stopped = False
+
+    @classmethod
+    async def start(
+        cls,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        state: KeyValueState | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> StoreServer:
+        """Listen on ``host:port`` (0: an ephemeral port; see :attr:`port`) and serve.
+
+        Raises StoreError if the address cannot be bound (e.g. it is already in use: the
+        server never shares a port with another listener).
+        """
+        state = state if state is not None else KeyValueState()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+            ]
+        )
+        StoreServicer(state).add_to_server(server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        address = format_address(host, port)
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            await server.stop(None)
+            cause = _address_in_use(host, port)
+            if cause is not None and cause.errno == errno.EADDRINUSE:
+                raise StoreError(
+                    f"cannot start the store server on {address}: address already in use"
+                ) from cause
+            why = f": {cause}" if cause is not None else ""
+            raise StoreError(f"cannot start the store server on {address}{why}") from cause
+        await server.start()
+        for service in ("", SERVICE_NAME):
+            await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("store server listening on %s", format_address(host, bound))
+        return cls(server, state, health, host, bound)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients connect to."""
+        return format_address(self.host, self.port)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """Report NOT_SERVING, then stop; calls still running after ``grace`` s are cancelled."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        log.info("store server on %s stopped", self.address)
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Wait until the server stops; returns False if ``timeout`` passed first."""
+        return await self._server.wait_for_termination(timeout)
+
+    async def __aenter__(self) -> StoreServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def __repr__(self) -> str:
+        return f"<StoreServer {self.address} keys={self.state.num_keys()}>"

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for the rpcdist.v1 wire contract (do not edit; see protos/)."""

@@ -1,0 +1,49 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KIND_UNSPECIFIED: _ClassVar[Kind]
+    REQUEST: _ClassVar[Kind]
+    RESPONSE: _ClassVar[Kind]
+    ERROR: _ClassVar[Kind]
+    CANCEL: _ClassVar[Kind]
+    CHUNK: _ClassVar[Kind]
+KIND_UNSPECIFIED: Kind
+REQUEST: Kind
+RESPONSE: Kind
+ERROR: Kind
+CANCEL: Kind
+CHUNK: Kind
+
+class Frame(_message.Message):
+    __slots__ = ("envelopes",)
+    ENVELOPES_FIELD_NUMBER: _ClassVar[int]
+    envelopes: _containers.RepeatedCompositeFieldContainer[Envelope]
+    def __init__(self, envelopes: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_SIZES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    CALLER_RANK_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    kind: Kind
+    payload: bytes
+    buffer_sizes: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    timeout_seconds: float
+    function: str
+    caller_rank: int
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ...) -> None: ...

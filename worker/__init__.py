@@ -1,0 +1,4 @@
+"""rpcdist-worker."""
+
+def main() -> None:
+    print("worker")
