@@ -16,6 +16,7 @@ Registration is done with store operations only, so it works the same on every b
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -47,9 +48,15 @@ class Rendezvous:
 
 @dataclass(frozen=True)
 class Member:
+    """A registered worker: its name, rank and the card it published (address and such)."""
+
     name: str
     rank: int
-    address: str
+    card: dict[str, str]
+
+    @property
+    def address(self) -> str:
+        return self.card["address"]
 
 
 def is_loopback(host: str) -> bool:
@@ -120,9 +127,10 @@ async def _serve_unless_served(host: str, port: int) -> StoreServer | None:
 
 
 async def join_group(
-    store: Store, name: str, rank: int, world_size: int, address: str, timeout: float
+    store: Store, name: str, rank: int, world_size: int, card: dict[str, str], timeout: float
 ) -> list[Member]:
-    """Register this worker and wait for all ``world_size`` members; returns them by rank."""
+    """Register this worker with its ``card`` (at least ``{"address": "host:port"}``) and wait
+    for all ``world_size`` members; returns them by rank."""
     if not name or "/" in name:
         raise MembershipError(f"worker name must be non-empty and contain no '/': {name!r}")
     size = str(world_size).encode()
@@ -138,7 +146,7 @@ async def join_group(
     holder = await store.compare_set_async(f"rank/{rank}", b"", name)
     if holder != name.encode():
         raise MembershipError(f"rank {rank} is already taken by worker {holder.decode()!r} (not {name!r})")
-    await store.set_async(f"address/{rank}", address)
+    await store.set_async(f"address/{rank}", json.dumps(card))
     deadline = time.monotonic() + timeout
     keys = [f"address/{r}" for r in range(world_size)]
     try:
@@ -152,8 +160,8 @@ async def join_group(
     for r in range(world_size):
         remaining = max(1.0, deadline - time.monotonic())
         member_name = (await store.get_async(f"rank/{r}", remaining)).decode()
-        member_address = (await store.get_async(f"address/{r}", remaining)).decode()
-        members.append(Member(member_name, r, member_address))
+        member_card = json.loads(await store.get_async(f"address/{r}", remaining))
+        members.append(Member(member_name, r, member_card))
     return members
 
 

@@ -1,9 +1,9 @@
 """``rpcdist.rpc``: remote calls and remote references, as ``torch.distributed.rpc``.
 
-    import rpcdist.rpc as rpc
-    rpc.init_rpc("worker0", rank=0, world_size=2)
-    rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
-    rpc.shutdown()
+import rpcdist.rpc as rpc
+rpc.init_rpc("worker0", rank=0, world_size=2)
+rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+rpc.shutdown()
 """
 
 from rpcdist.errors import RemoteError, RpcError, RpcTimeoutError

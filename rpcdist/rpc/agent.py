@@ -39,7 +39,7 @@ from rpcdist.errors import (
 )
 from rpcdist.futures import Future
 from rpcdist.rendezvous import Member, Rendezvous
-from rpcdist.rpc import wire
+from rpcdist.rpc import shm, wire
 from rpcdist.rpc._threads import LoopInbox, WorkerPool
 from rpcdist.rpc.functions import is_async_execution
 from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
@@ -112,7 +112,7 @@ class _FrameWriter:
 
 
 class _OutgoingCall:
-    __slots__ = ("dest", "function", "payload", "buffers", "timeout", "future", "timer", "call_id")
+    __slots__ = ("dest", "function", "payload", "buffers", "shared", "timeout", "future", "timer", "call_id")
 
     def __init__(
         self,
@@ -127,6 +127,7 @@ class _OutgoingCall:
         self.function = function
         self.payload = payload
         self.buffers = buffers
+        self.shared: list[str] = []
         self.timeout = timeout
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
@@ -191,6 +192,15 @@ class _InboundSession:
         self.running: dict[int, Any] = {}  # call_id -> asyncio.Task or _ThreadJob
         self.idle = asyncio.Event()
         self.idle.set()
+        self.caller_rank = -1
+        # Shared-memory files of responses, removed when the session ends in case the caller
+        # never adopted them (it unlinks the ones it does).
+        self.exported: collections.deque[str] = collections.deque()
+
+    def remember_exported(self, names: list[str]) -> None:
+        self.exported.extend(n for n in names if n)
+        if len(self.exported) > 4096:  # prune the ones the caller already adopted
+            self.exported = collections.deque(n for n in self.exported if shm.sees_probe(n))
 
     def respond(self, entries: Entries) -> None:
         self.writer.send(entries)
@@ -249,6 +259,8 @@ class RpcAgent:
         self._closing = False
         self._closed = False
         self._loop_thread_id = threading.get_ident()
+        self.shm_probe = shm.create_probe() if options.shm_threshold_bytes > 0 else ""
+        self._colocated: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, host: str) -> int:
@@ -273,6 +285,8 @@ class RpcAgent:
             self.workers_by_rank[member.rank] = info
             self.workers_by_name[member.name] = info
             self.addresses[member.rank] = member.address
+            if self.shm_probe and shm.sees_probe(member.card.get("shm_probe", "")):
+                self._colocated.add(member.rank)
 
     async def wait_for_outstanding(self, timeout: float) -> None:
         """Wait until every call this worker made has completed (or ``timeout`` passes)."""
@@ -294,6 +308,7 @@ class RpcAgent:
         for call_id in list(self._pending):
             self._fail(call_id, WorkerUnavailableError(f"worker {self.info.name} shut down"))
         self._pool.shutdown(timeout=1.0 if graceful else 0.1)
+        shm.remove([self.shm_probe])
         self._closed = True
 
     async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -365,20 +380,38 @@ class RpcAgent:
             timeout = self.options.rpc_timeout
         future: Future[Any] = Future(loop=self.loop)
         call = _OutgoingCall(dest, name, payload, buffers, timeout, future)
+        call.shared = self._share(dest.id, buffers)
         if threading.get_ident() == self._loop_thread_id:
             self._start_call(call)
         else:
             self._inbox.post(lambda: self._start_call(call))
         return future
 
+    def _share(self, rank: int, buffers: list[memoryview]) -> list[str]:
+        """Hand the large buffers for a co-located peer to shared memory; names per buffer."""
+        threshold = self.options.shm_threshold_bytes
+        if rank not in self._colocated or not any(len(b) >= threshold for b in buffers):
+            return []
+        names: list[str] = []
+        try:
+            for buffer in buffers:
+                names.append(shm.export(buffer) if len(buffer) >= threshold else "")
+        except OSError as exc:  # /dev/shm full or gone: send inline
+            log.warning("shared-memory handoff failed (%s); sending inline", exc)
+            shm.remove(names)
+            return []
+        return names
+
     def _start_call(self, call: _OutgoingCall) -> None:
         if self._closing:
+            shm.remove(call.shared)
             call.future._try_complete(None, RpcError(f"worker {self.info.name} is shutting down"))
             return
         call.call_id = call_id = next(self._call_ids)
         try:
             peer = self._connection(call.dest.id)
         except Exception as exc:
+            shm.remove(call.shared)
             call.future._try_complete(None, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
             return
         self._pending[call_id] = call
@@ -395,6 +428,7 @@ class RpcAgent:
                 timeout_seconds=call.timeout,
                 function=call.function,
                 caller_rank=self.info.id,
+                shared=call.shared,
             )
         )
         call.payload, call.buffers = b"", []  # the writer holds them now
@@ -425,6 +459,7 @@ class RpcAgent:
         call = self._pending.pop(call_id, None)
         if call is None:
             return
+        shm.remove(call.shared)
         if call.timer is not None:
             call.timer.cancel()
         if not self._pending:
@@ -440,11 +475,17 @@ class RpcAgent:
             call = self._pending.pop(header.call_id, None)
             if call is None:
                 continue  # timed out or cancelled meanwhile
+            if call.shared:
+                shm.remove(call.shared)  # normally adopted (and unlinked) by the callee already
             if call.timer is not None:
                 call.timer.cancel()
             if not self._pending:
                 self._no_pending.set()
-            if header.kind == wire.RESPONSE:
+            if isinstance(buffers, Exception):
+                call.future._try_complete(
+                    None, RpcError(f"cannot receive the result of {call.function}: {buffers}")
+                )
+            elif header.kind == wire.RESPONSE:
                 try:
                     result = serialization.loads(header.payload, buffers)
                 except Exception as exc:
@@ -489,6 +530,7 @@ class RpcAgent:
             for job in session.running.values():
                 job.cancel()
             session.writer.abort()
+            shm.remove(session.exported)
             self._sessions.discard(session)
 
     def _on_request(self, session: _InboundSession, header: Any, buffers: list[memoryview]) -> None:
@@ -501,7 +543,10 @@ class RpcAgent:
         if header.kind != wire.REQUEST:
             return
         function = header.function
+        session.caller_rank = header.caller_rank
         try:
+            if isinstance(buffers, Exception):
+                raise buffers
             func, args, kwargs = serialization.loads(header.payload, buffers)
         except Exception as exc:
             self._respond_error(session, call_id, function, exc, loading=True)
@@ -517,7 +562,9 @@ class RpcAgent:
             job = _ThreadJob()
             session.track(call_id, job)
             deadline = time.monotonic() + header.timeout_seconds if header.timeout_seconds > 0 else None
-            self._pool.submit(lambda: self._run_blocking(session, call_id, function, func, args, kwargs, job, deadline))
+            self._pool.submit(
+                lambda: self._run_blocking(session, call_id, function, func, args, kwargs, job, deadline)
+            )
 
     async def _run_async(
         self, session: _InboundSession, call_id: int, function: str, func: Any, args: Any, kwargs: Any
@@ -558,7 +605,7 @@ class RpcAgent:
             self._inbox.post(lambda: self._finish_later(session, call_id, function, result))
             return
         try:
-            entries = self._encode_result(call_id, function, result)
+            entries = self._encode_result(session, call_id, function, result)
         except BaseException as exc:  # noqa: BLE001
             self._inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
@@ -568,7 +615,9 @@ class RpcAgent:
         session.untrack(call_id)
         session.respond(entries)
 
-    def _finish_error(self, session: _InboundSession, call_id: int, function: str, exc: BaseException) -> None:
+    def _finish_error(
+        self, session: _InboundSession, call_id: int, function: str, exc: BaseException
+    ) -> None:
         session.untrack(call_id)
         self._respond_error(session, call_id, function, exc)
 
@@ -586,7 +635,7 @@ class RpcAgent:
 
         session.track(call_id, self.loop.create_task(complete()))
 
-    def _encode_result(self, call_id: int, function: str, result: Any) -> Entries:
+    def _encode_result(self, session: _InboundSession, call_id: int, function: str, result: Any) -> Entries:
         payload, buffers = serialization.dumps(result)
         size = len(payload) + sum(len(b) for b in buffers)
         if size > self.options.max_payload_bytes:
@@ -594,13 +643,16 @@ class RpcAgent:
                 f"the result of {function} is {size} bytes, above max_payload_bytes="
                 f"{self.options.max_payload_bytes}"
             )
+        shared = self._share(session.caller_rank, buffers)
+        if shared:
+            session.remember_exported(shared)
         return wire.encode_message(
-            call_id, wire.RESPONSE, payload, buffers, chunk_bytes=self.options.chunk_bytes
+            call_id, wire.RESPONSE, payload, buffers, chunk_bytes=self.options.chunk_bytes, shared=shared
         )
 
     def _respond(self, session: _InboundSession, call_id: int, function: str, result: Any) -> None:
         try:
-            session.respond(self._encode_result(call_id, function, result))
+            session.respond(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001
             self._respond_error(session, call_id, function, exc)
 
@@ -624,8 +676,13 @@ class RpcAgent:
         session.respond(wire.encode_message(call_id, wire.ERROR, payload, buffers))
 
 
-def _collect(assemblies: dict[int, wire.Assembly], env: Any) -> tuple[Any, list[memoryview]] | None:
-    """Feed one envelope; returns (header, buffers) once its message is complete."""
+def _collect(
+    assemblies: dict[int, wire.Assembly], env: Any
+) -> tuple[Any, list[memoryview] | Exception] | None:
+    """Feed one envelope; returns (header, buffers) once its message is complete.
+
+    ``buffers`` is the exception instead when a shared-memory buffer could not be adopted.
+    """
     if env.kind == wire.CHUNK:
         assembly = assemblies.get(env.call_id)
         if assembly is None:
@@ -634,14 +691,14 @@ def _collect(assemblies: dict[int, wire.Assembly], env: Any) -> tuple[Any, list[
         if not assembly.complete:
             return None
         del assemblies[env.call_id]
-        return assembly.header, assembly.buffers
-    if not env.buffer_sizes:
+    elif not env.buffer_sizes:
         return env, []
-    assembly = wire.Assembly(env)
-    if assembly.complete:
-        return env, assembly.buffers
-    assemblies[env.call_id] = assembly
-    return None
+    else:
+        assembly = wire.Assembly(env)
+        if not assembly.complete:
+            assemblies[env.call_id] = assembly
+            return None
+    return assembly.header, assembly.error or assembly.buffers
 
 
 async def _awaitable(result: Any) -> Any:
@@ -665,7 +722,9 @@ def _settle(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _rebuild_error(payload: bytes | memoryview, buffers: list[memoryview], call: _OutgoingCall) -> BaseException:
+def _rebuild_error(
+    payload: bytes | memoryview, buffers: list[memoryview], call: _OutgoingCall
+) -> BaseException:
     """The exception the caller sees: the remote type when it rebuilds here, else RemoteError."""
     try:
         info = serialization.loads(payload, buffers)

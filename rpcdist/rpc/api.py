@@ -73,7 +73,8 @@ async def init_rpc_async(
             listen if listen != "0.0.0.0" else rdv.local_address_towards(meeting.host or "8.8.8.8")
         )
         store = PrefixStore(_STORE_PREFIX, meeting.store)
-        members = await rdv.join_group(store, name, rank, world_size, f"{advertise}:{port}", timeout)
+        card = {"address": f"{advertise}:{port}", "shm_probe": agent.shm_probe}
+        members = await rdv.join_group(store, name, rank, world_size, card, timeout)
         agent.set_members(members)
     except BaseException:
         await agent.close(graceful=False)

@@ -40,6 +40,8 @@ class RpcBackendOptions:
         num_worker_threads: threads that run blocking (non-``async``) user functions.
         max_payload_bytes: largest message (pickle plus tensor bytes) sent or accepted.
         chunk_bytes: size of the pieces large payloads are streamed in.
+        shm_threshold_bytes: buffers at least this large go to peers on the same host through
+            shared memory (/dev/shm) instead of the stream; 0 turns that off.
         listen_host: interface this worker serves on (default: loopback when the store is on
             loopback, else all interfaces).
         advertise_host: address peers use to reach this worker (default: derived).
@@ -52,6 +54,7 @@ class RpcBackendOptions:
     num_worker_threads: int = 16
     max_payload_bytes: int = 16 << 30
     chunk_bytes: int = 1 << 20
+    shm_threshold_bytes: int = 256 << 10
     listen_host: str | None = None
     advertise_host: str | None = None
     device_maps: dict[str, Any] | None = None

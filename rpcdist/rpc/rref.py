@@ -218,7 +218,12 @@ def create_remote(
     name = serialization.check_importable(func)
     rref_id: RRefId = (agent.info.id, next(_local_ids))
     created = agent.submit(
-        dest, _create, (rref_id, func, tuple(args or ()), dict(kwargs or {})), None, timeout, function_name=name
+        dest,
+        _create,
+        (rref_id, func, tuple(args or ()), dict(kwargs or {})),
+        None,
+        timeout,
+        function_name=name,
     )
     rref = RRef._make(dest, rref_id, created)
     return rref

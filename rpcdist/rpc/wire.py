@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from google.protobuf.message import DecodeError
 
+from rpcdist.rpc import shm
 from rpcdist.v1 import agent_pb2
 
 REQUEST = agent_pb2.REQUEST
@@ -66,6 +67,7 @@ class Envelope:
     timeout_seconds: float = 0.0
     function: str = ""
     caller_rank: int = 0
+    shared_buffers: list[str] = field(default_factory=list)
 
 
 class FrameError(ValueError):
@@ -148,6 +150,8 @@ def _decode_envelope(buf: memoryview, pos: int, end: int) -> Envelope:
                     env.buffer_sizes.append(value)
             elif number == 7:
                 env.function = bytes(buf[pos:stop]).decode("utf-8", "replace")
+            elif number == 9:
+                env.shared_buffers.append(bytes(buf[pos:stop]).decode("utf-8", "replace"))
             pos = stop
         elif wire_type == 1:
             if pos + 8 > end:
@@ -174,12 +178,16 @@ def encode_message(
     timeout_seconds: float = 0.0,
     function: str = "",
     caller_rank: int = 0,
+    shared: Sequence[str] = (),
 ) -> Iterator[list[bytes | memoryview]]:
     """Yield the envelope entries of one message: a header, then CHUNKs of its buffer bytes.
 
+    ``shared`` names, per buffer, the shared-memory file already holding it ("" = inline).
     Entries are made lazily, so a 1 GiB tensor is never copied whole into a queue.
     """
     sizes = [len(b) for b in buffers]
+    if any(shared):
+        buffers = [b for b, name in zip(buffers, shared, strict=True) if not name]
     header = agent_pb2.Envelope(
         call_id=call_id,
         kind=kind,
@@ -188,8 +196,9 @@ def encode_message(
         timeout_seconds=timeout_seconds,
         function=function,
         caller_rank=caller_rank,
+        shared_buffers=shared if any(shared) else (),
     ).SerializeToString()
-    total = sum(sizes)
+    total = sum(len(b) for b in buffers)
     if total <= chunk_bytes:
         data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
         yield _envelope_entry(header, data)
@@ -210,22 +219,35 @@ def encode_control(call_id: int, kind: int) -> list[bytes | memoryview]:
 class Assembly:
     """Collects a message's buffers from its header envelope and following CHUNKs.
 
-    Buffers are allocated as fresh tensors' memory, so rebuilt tensors own writable memory.
+    Buffers are allocated as fresh tensors' memory (or adopted from shared memory), so rebuilt
+    tensors own writable memory. A shared buffer that cannot be adopted leaves ``error`` set;
+    the inline bytes are still consumed so the stream stays in step.
     """
 
-    __slots__ = ("header", "buffers", "_views", "_index", "_offset", "remaining")
+    __slots__ = ("header", "buffers", "_views", "_index", "_offset", "remaining", "error")
 
     def __init__(self, header: Envelope) -> None:
         self.header = header
         self.buffers: list[memoryview] = []
         self._views: list[memoryview] = []
-        for size in header.buffer_sizes:
+        self.error: Exception | None = None
+        shared = list(header.shared_buffers) or [""] * len(header.buffer_sizes)
+        if len(shared) != len(header.buffer_sizes):
+            raise FrameError("shared_buffers and buffer_sizes differ in length")
+        for size, name in zip(header.buffer_sizes, shared, strict=True):
+            if name:
+                try:
+                    self.buffers.append(shm.adopt(name, size))
+                except (OSError, ValueError) as exc:
+                    self.error = exc
+                    self.buffers.append(memoryview(b""))
+                continue
             view = memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if size else memoryview(b"")
             self.buffers.append(view)
             self._views.append(view)
         self._index = 0
         self._offset = 0
-        self.remaining = sum(header.buffer_sizes)
+        self.remaining = sum(len(v) for v in self._views)
         if header.data:
             self.feed(header.data)
 

@@ -29,7 +29,7 @@ class Frame(_message.Message):
     def __init__(self, envelopes: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank")
+    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class Envelope(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     CALLER_RANK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     kind: Kind
     payload: bytes
@@ -46,4 +47,5 @@ class Envelope(_message.Message):
     timeout_seconds: float
     function: str
     caller_rank: int
-    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ...) -> None: ...
+    shared_buffers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ...) -> None: ...
