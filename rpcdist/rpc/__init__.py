@@ -21,7 +21,7 @@ from rpcdist.rpc.api import (
     shutdown_async,
 )
 from rpcdist.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
-from rpcdist.rpc.rref import RRef
+from rpcdist.rpc.rref import RRef, debug_info
 
 __all__ = [
     "BackendType",
@@ -33,6 +33,7 @@ __all__ = [
     "RpcTimeoutError",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "debug_info",
     "functions",
     "get_all_worker_infos",
     "get_worker_info",

@@ -35,6 +35,11 @@ class LoopInbox:
                 self._scheduled = False
                 raise
 
+    @property
+    def pending(self) -> bool:
+        """Whether posted callables are waiting to run."""
+        return bool(self._items)
+
     def _drain(self) -> None:
         self._scheduled = False
         items = self._items

@@ -43,6 +43,7 @@ from rpcdist.rpc import shm, wire
 from rpcdist.rpc._threads import LoopInbox, WorkerPool
 from rpcdist.rpc.functions import is_async_execution
 from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
+from rpcdist.rpc.rref import RRefContext
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,7 @@ class RpcAgent:
         self._closed = False
         self._loop_thread_id = threading.get_ident()
         self.shm_probe = shm.create_probe() if options.shm_threshold_bytes > 0 else ""
+        self.rrefs = RRefContext(self)
         self._colocated: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -309,6 +311,7 @@ class RpcAgent:
             self._fail(call_id, WorkerUnavailableError(f"worker {self.info.name} shut down"))
         self._pool.shutdown(timeout=1.0 if graceful else 0.1)
         shm.remove([self.shm_probe])
+        self.rrefs.close()
         self._closed = True
 
     async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -381,9 +384,9 @@ class RpcAgent:
         future: Future[Any] = Future(loop=self.loop)
         call = _OutgoingCall(dest, name, payload, buffers, timeout, future)
         call.shared = self._share(dest.id, buffers)
-        if threading.get_ident() == self._loop_thread_id:
+        if threading.get_ident() == self._loop_thread_id and not self._inbox.pending:
             self._start_call(call)
-        else:
+        else:  # through the inbox, behind calls other threads submitted earlier: order holds
             self._inbox.post(lambda: self._start_call(call))
         return future
 

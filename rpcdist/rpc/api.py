@@ -66,6 +66,9 @@ async def init_rpc_async(
     timeout = options.store_timeout
     meeting = await rdv.rendezvous(options.init_method, rank, world_size, timeout)
     agent = RpcAgent(WorkerInfo(name, rank), world_size, options, meeting, loop)
+    # Installed before serving: peers may call (and send RRefs) as soon as all have joined,
+    # which can be before join_group returns here.
+    _agent = agent
     try:
         listen = options.listen_host or _default_listen_host(meeting.host)
         port = await agent.serve(listen)
@@ -77,10 +80,10 @@ async def init_rpc_async(
         members = await rdv.join_group(store, name, rank, world_size, card, timeout)
         agent.set_members(members)
     except BaseException:
+        _agent = None
         await agent.close(graceful=False)
         await meeting.close()
         raise
-    _agent = agent
     log.info("%s (rank %d of %d) serving on port %d", name, rank, world_size, port)
 
 
@@ -124,6 +127,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
     try:
         if graceful:
+            agent.rrefs.release_all_users()
             await agent.wait_for_outstanding(limit)
             try:
                 await rdv.leave_barrier(store, "shutdown", agent.world_size, limit)

@@ -1,15 +1,32 @@
-"""Remote references: ``RRef`` and ``remote()``.
+"""Remote references: ``RRef``, ``remote()``, and the reference counting that keeps a remote
+value alive exactly as long as some RRef anywhere can reach it.
 
-The owner of an RRef holds its value in the agent's table of owned values, keyed by the
-RRef's id (the creating worker's rank and a counter there). Every worker may hold user RRefs
-to it and fetch the value (``to_here``) or call its methods through the proxies
-``rref.rpc_sync()``, ``rref.rpc_async()`` and ``rref.remote()``.
+The protocol (the guarantees torch documents for its RRefs, kept with fewer messages):
+
+- The **owner** keeps each value in an :class:`_OwnerEntry` with the set of ranks that hold
+  user RRefs to it and the number of RRef objects on the owner itself. The value is freed
+  when both are empty.
+- A process holds at most one **user RRef** object per value (unpickling an RRef it already
+  holds returns that object). ``remote()`` registers its caller as a holder in the same
+  message that creates the value; a user RRef that arrives by pickle registers itself with
+  the owner (``_register``). When the object is garbage-collected, or its process shuts
+  down, it tells the owner (``_user_deleted``).
+- **Forks**: whoever pickles an RRef into a message keeps its own RRef alive (a "pending
+  child") until the owner has registered the receiver; only then may the sender's own
+  deletion reach the owner, so passing an RRef from A to B while A drops it never frees the
+  value early. Messages from one worker to another arrive in order, so a holder's
+  registration always precedes its deletion.
+- If the function of ``remote()`` fails, every ``to_here()`` raises its error; if the owner
+  is gone, ``to_here()`` raises WorkerUnavailableError naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -18,12 +35,13 @@ from rpcdist.errors import RpcError
 from rpcdist.futures import Future
 from rpcdist.rpc.options import WorkerInfo
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["RRef", "create_remote"]
+__all__ = ["RRef", "create_remote", "debug_info"]
 
-_local_ids = itertools.count(1)
-RRefId = tuple[int, int]
+RRefId = tuple[int, int, int]  # (owner rank, rank that created it, counter there)
+_counter = itertools.count(1)
 
 
 def _agent() -> Any:
@@ -32,53 +50,213 @@ def _agent() -> Any:
     return api._current_agent()
 
 
-def _owned(agent: Any) -> dict[RRefId, asyncio.Future[Any]]:
-    table = getattr(agent, "owned_values", None)
-    if table is None:
-        table = agent.owned_values = {}
-    return table
+def _context() -> RRefContext:
+    return _agent().rrefs
 
 
-def _slot(agent: Any, rref_id: RRefId) -> asyncio.Future[Any]:
-    """The owner's future for ``rref_id``, created on first mention (creation or fetch)."""
-    table = _owned(agent)
-    slot = table.get(rref_id)
-    if slot is None:
-        slot = table[rref_id] = agent.loop.create_future()
-    return slot
+class _OwnerEntry:
+    __slots__ = ("value", "holders", "local_refs")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.value: asyncio.Future[Any] = loop.create_future()
+        self.holders: set[int] = set()
+        self.local_refs = 0
+
+
+class RRefContext:
+    """One per agent: the owner table, the user RRefs of this process, and pending forks."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.owned: dict[RRefId, _OwnerEntry] = {}
+        self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
+        self.pending_children: dict[int, RRef[Any]] = {}
+        self._lock = threading.Lock()  # users/pending_children are touched from any thread
+        self._tokens = itertools.count(1)
+        self._closed = False
+
+    # -- owner side (on the loop) ---------------------------------------------------------------
+    def entry(self, rref_id: RRefId) -> _OwnerEntry:
+        """The owner's entry for ``rref_id``, made on first mention (creation, fetch or fork)."""
+        entry = self.owned.get(rref_id)
+        if entry is None:
+            entry = self.owned[rref_id] = _OwnerEntry(self.agent.loop)
+        return entry
+
+    def maybe_free(self, rref_id: RRefId) -> None:
+        entry = self.owned.get(rref_id)
+        if entry is not None and not entry.holders and entry.local_refs <= 0 and entry.value.done():
+            del self.owned[rref_id]
+            if not entry.value.cancelled():
+                entry.value.exception()  # mark a failure as retrieved: nobody can fetch it now
+
+    def owner_ref_gone(self, rref_id: RRefId) -> None:
+        entry = self.owned.get(rref_id)
+        if entry is not None:
+            entry.local_refs -= 1
+            self.maybe_free(rref_id)
+
+    # -- user side -------------------------------------------------------------------------------
+    def adopt_user(self, owner: WorkerInfo, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
+        """Rebuild a pickled user RRef here; registers this worker with the owner if new."""
+        me = self.agent.info.id
+        with self._lock:
+            existing = self.users.get(rref_id)
+            rref = existing() if existing is not None else None
+            if rref is not None:
+                fresh = False
+            else:
+                rref = RRef._make(owner, rref_id)
+                self.users[rref_id] = weakref.ref(rref)
+                weakref.finalize(rref, self._user_finalized, rref_id)
+                fresh = True
+        if fresh:
+            rref._confirmed = self.agent.submit(
+                owner, _register, (rref_id, me, sender, token), None, 0, function_name="rpcdist.rref.register"
+            )
+        elif rref._confirmed is None or rref._confirmed.done():
+            self.child_accepted_at(sender, token)
+        else:
+            # Our own registration is still in flight: the sender must keep its hold until
+            # the owner has it, or the sender's deletion could overtake it.
+            rref._confirmed.add_done_callback(lambda _: self.child_accepted_at(sender, token))
+        return rref
+
+    def adopt_owned(self, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
+        """Rebuild a pickled RRef on its owner: an owner RRef over the existing value."""
+        rref = RRef._make(self.agent.info, rref_id)
+        self.track_owner_ref(rref)
+        self.child_accepted_at(sender, token)
+        return rref
+
+    def track_owner_ref(self, rref: RRef[Any]) -> None:
+        rref_id = rref._id
+        self._on_loop(lambda: self._add_local_ref(rref_id))
+        weakref.finalize(rref, self._owner_finalized, rref_id)
+
+    def _add_local_ref(self, rref_id: RRefId) -> None:
+        self.entry(rref_id).local_refs += 1
+
+    def child_accepted_at(self, sender: int, token: int) -> None:
+        """Tell ``sender`` its fork ``token`` is registered (locally if that is us)."""
+        if sender == self.agent.info.id:
+            self.release_child(token)
+        else:
+            self.agent.submit(
+                sender, _child_accepted, (token,), None, 0, function_name="rpcdist.rref.accepted"
+            )
+
+    def hold_child(self, rref: RRef[Any]) -> int:
+        token = next(self._tokens)
+        with self._lock:
+            self.pending_children[token] = rref
+        return token
+
+    def release_child(self, token: int) -> None:
+        with self._lock:
+            self.pending_children.pop(token, None)
+
+    def _user_finalized(self, rref_id: RRefId) -> None:
+        with self._lock:
+            ref = self.users.get(rref_id)
+            if ref is not None and ref() is None:
+                del self.users[rref_id]
+        self._notify_deleted(rref_id)
+
+    def _notify_deleted(self, rref_id: RRefId) -> None:
+        if self._closed:
+            return
+        owner = self.agent.workers_by_rank.get(rref_id[0])
+        if owner is None:
+            return
+        try:
+            self.agent.submit(
+                owner,
+                _user_deleted,
+                (rref_id, self.agent.info.id),
+                None,
+                0,
+                function_name="rpcdist.rref.deleted",
+            )
+        except Exception as exc:  # shutting down: the owner frees it at its own shutdown
+            log.debug("could not tell %s that %s was deleted: %s", owner.name, rref_id, exc)
+
+    def _owner_finalized(self, rref_id: RRefId) -> None:
+        if not self._closed:
+            self._on_loop(lambda: self.owner_ref_gone(rref_id))
+
+    def _on_loop(self, fn: Callable[[], Any]) -> None:
+        try:
+            if threading.get_ident() == self.agent._loop_thread_id:
+                fn()
+            else:
+                self.agent._inbox.post(fn)
+        except RuntimeError:  # loop closed
+            pass
+
+    def release_all_users(self) -> None:
+        """At shutdown: tell every owner this process holds no RRefs any more."""
+        with self._lock:
+            held = [(rref_id, ref()) for rref_id, ref in self.users.items()]
+            self.users.clear()
+            self.pending_children.clear()
+        for rref_id, rref in held:
+            if rref is not None:
+                rref._released = True
+                self._notify_deleted(rref_id)
+
+    def close(self) -> None:
+        self._closed = True
+        self.owned.clear()
+
+    def debug_info(self) -> dict[str, int]:
+        with self._lock:
+            users = [ref() for ref in self.users.values()]
+            live_users = [r for r in users if r is not None]
+            return {
+                "owned_rrefs": len(self.owned),
+                "user_rrefs": len(live_users),
+                "pending_children": len(self.pending_children),
+                "pending_users": sum(1 for r in live_users if not r.confirmed_by_owner()),
+            }
 
 
 class RRef(Generic[T]):
     """A reference to a value owned by one worker, as ``torch.distributed.rpc.RRef``.
 
     ``RRef(value)`` makes this worker the owner of ``value``; ``rpc.remote(...)`` returns an
-    RRef owned by the worker that ran the function.
+    RRef owned by the worker that ran the function. RRefs may be passed in arguments and
+    results, nested in containers, to and between any workers.
     """
+
+    _owner: WorkerInfo
+    _id: RRefId
+    _confirmed: Future[Any] | None
+    _released: bool
 
     def __init__(self, value: Any = None, type_hint: Any = None) -> None:
         agent = _agent()
-        self._owner: WorkerInfo = agent.info
-        self._id: RRefId = (agent.info.id, next(_local_ids))
-        self._created: Future[None] = Future(loop=agent.loop)
-        self._created.set_result(None)
-        self._local: Future[Any] = Future(loop=agent.loop)
-        self._local.set_result(value)
-        loop = agent.loop
-        if _on_loop(loop):
-            _slot(agent, self._id).set_result(value)
-        else:
-            asyncio.run_coroutine_threadsafe(_set_owned(agent, self._id, value), loop).result()
+        self._owner = agent.info
+        self._id = (agent.info.id, agent.info.id, next(_counter))
+        self._confirmed = None
+        self._released = False
+        context: RRefContext = agent.rrefs
+        rref_id = self._id
+
+        def install() -> None:
+            entry = context.entry(rref_id)
+            entry.value.set_result(value)
+
+        context._on_loop(install)
+        context.track_owner_ref(self)
 
     @classmethod
-    def _make(cls, owner: WorkerInfo, rref_id: RRefId, created: Future[None] | None) -> RRef[Any]:
+    def _make(cls, owner: WorkerInfo, rref_id: RRefId, confirmed: Future[Any] | None = None) -> RRef[Any]:
         rref = cls.__new__(cls)
         rref._owner = owner
         rref._id = rref_id
-        if created is None:
-            created = Future()
-            created.set_result(None)
-        rref._created = created
-        rref._local = None  # type: ignore[assignment]
+        rref._confirmed = confirmed
+        rref._released = False
         return rref
 
     # -- identity ------------------------------------------------------------------------------
@@ -87,14 +265,16 @@ class RRef(Generic[T]):
         return self._owner
 
     def owner_name(self) -> str:
+        """The owner's worker name."""
         return self._owner.name
 
     def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
         return self._owner.id == _agent().info.id
 
     def confirmed_by_owner(self) -> bool:
-        """Whether the owner has confirmed it holds (or failed to make) the value."""
-        return self._created.done()
+        """Whether the owner knows of this reference (always true on the owner)."""
+        return self._confirmed is None or self._confirmed.done()
 
     # -- value -----------------------------------------------------------------------------------
     def local_value(self) -> T:
@@ -105,16 +285,32 @@ class RRef(Generic[T]):
                 f"local_value() called on worker {agent.info.name}, but this RRef is owned by "
                 f"{self._owner.name}; use to_here()"
             )
-        slot = _owned(agent).get(self._id)
-        if slot is None or not slot.done():
+        entry = agent.rrefs.owned.get(self._id)
+        if entry is None or not entry.value.done():
             return self.to_here()
-        return slot.result()
+        return entry.value.result()
 
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
-        """A Future of the value, copied from the owner (or the value itself on the owner)."""
-        from rpcdist.rpc import api
+        """A Future of the value, copied from the owner (on the owner: the value itself);
+        awaitable, or ``wait()`` on it."""
+        agent = _agent()
+        if self._owner.id != agent.info.id:
+            return agent.submit(self._owner, _fetch, (self._id,), None, timeout, function_name="RRef.to_here")
+        result: Future[T] = Future(loop=agent.loop)
+        rref_id = self._id
 
-        return api.rpc_async(self._owner, _fetch, args=(self._id,), timeout=timeout)
+        def watch() -> None:
+            value = agent.rrefs.entry(rref_id).value
+            value.add_done_callback(
+                lambda v: (
+                    result._try_complete(None, v.exception())
+                    if v.exception() is not None
+                    else result._try_complete(v.result(), None)
+                )
+            )
+
+        agent.rrefs._on_loop(watch)
+        return result
 
     def to_here(self, timeout: float = -1.0) -> T:
         """The value, copied from the owner; raises the creating call's error if it failed."""
@@ -135,26 +331,23 @@ class RRef(Generic[T]):
 
     # -- pickling ----------------------------------------------------------------------------------
     def __reduce__(self) -> Any:
-        return (_rebuild_rref, (self._owner, self._id))
+        agent = _agent()
+        token = agent.rrefs.hold_child(self)
+        return (_rebuild_rref, (self._owner, self._id, agent.info.id, token))
 
     def __repr__(self) -> str:
-        kind = "OwnerRRef" if self._local is not None else "UserRRef"
+        try:
+            kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        except RpcError:
+            kind = "RRef"
         return f"{kind}(owner={self._owner.name}, id={self._id})"
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
-async def _set_owned(agent: Any, rref_id: RRefId, value: Any) -> None:
-    _slot(agent, rref_id).set_result(value)
-
-
-def _rebuild_rref(owner: WorkerInfo, rref_id: RRefId) -> RRef[Any]:
-    return RRef._make(owner, rref_id, None)
+def _rebuild_rref(owner: WorkerInfo, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
+    context = _context()
+    if owner.id == context.agent.info.id:
+        return context.adopt_owned(rref_id, sender, token)
+    return context.adopt_user(owner, rref_id, sender, token)
 
 
 class _Proxy:
@@ -179,30 +372,56 @@ class _Proxy:
         return call
 
 
+# -- the messages (each runs on the receiving worker's loop, in arrival order) ----------------------
 async def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
-    return await asyncio.shield(_slot(_agent(), rref_id))
+    return await asyncio.shield(_context().entry(rref_id).value)
 
 
 async def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """On the owner: ``getattr(value, method)(*args, **kwargs)`` run as calls are run."""
+    """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
     agent = _agent()
-    value = await asyncio.shield(_slot(agent, rref._id))
+    value = await asyncio.shield(agent.rrefs.entry(rref._id).value)
     return await agent.run_user_function(getattr(value, method), args, kwargs)
 
 
-async def _create(rref_id: RRefId, func: Callable[..., Any], args: Any, kwargs: Any) -> None:
-    """On the owner: run ``func`` and keep its result (or error) under ``rref_id``."""
+async def _create(rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    """On the owner: register the creator, run ``func`` and keep its result (or error)."""
     agent = _agent()
-    slot = _slot(agent, rref_id)
+    entry = agent.rrefs.entry(rref_id)
+    if creator >= 0:
+        entry.holders.add(creator)
     try:
         value = await agent.run_user_function(func, args, kwargs)
     except BaseException as exc:
-        if not slot.done():
-            slot.set_exception(exc)
+        if not entry.value.done():
+            entry.value.set_exception(exc)
+        agent.rrefs.maybe_free(rref_id)
         raise
-    if not slot.done():
-        slot.set_result(value)
+    if not entry.value.done():
+        entry.value.set_result(value)
+    agent.rrefs.maybe_free(rref_id)  # the creator may have dropped it already
+
+
+async def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
+    """On the owner: ``user`` now holds an RRef that ``sender`` forked to it."""
+    context = _context()
+    context.entry(rref_id).holders.add(user)
+    context.child_accepted_at(sender, token)
+
+
+async def _child_accepted(token: int) -> None:
+    """On a fork's sender: the owner knows the receiver; our own hold may go."""
+    _context().release_child(token)
+
+
+async def _user_deleted(rref_id: RRefId, user: int) -> None:
+    """On the owner: ``user`` no longer holds an RRef to ``rref_id``."""
+    context = _context()
+    entry = context.owned.get(rref_id)
+    if entry is not None:
+        entry.holders.discard(user)
+        context.maybe_free(rref_id)
 
 
 def create_remote(
@@ -213,17 +432,31 @@ def create_remote(
     kwargs: dict[str, Any] | None,
     timeout: float,
 ) -> RRef[Any]:
-    """``rpc.remote``: start ``func`` on ``to`` and return a user RRef at once."""
+    """``rpc.remote``: start ``func`` on ``to`` and return an RRef at once."""
     dest = agent.worker(to)
     name = serialization.check_importable(func)
-    rref_id: RRefId = (agent.info.id, next(_local_ids))
-    created = agent.submit(
-        dest,
-        _create,
-        (rref_id, func, tuple(args or ()), dict(kwargs or {})),
-        None,
-        timeout,
-        function_name=name,
-    )
-    rref = RRef._make(dest, rref_id, created)
+    context: RRefContext = agent.rrefs
+    rref_id: RRefId = (dest.id, agent.info.id, next(_counter))
+    if dest.id == agent.info.id:
+        call_args = (rref_id, -1, func, tuple(args or ()), dict(kwargs or {}))  # owner refs count it
+        rref = RRef._make(dest, rref_id)
+        context.track_owner_ref(rref)
+        rref._confirmed = agent.submit(dest, _create, call_args, None, timeout, function_name=name)
+        return rref
+    call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}))
+    with context._lock:
+        rref = RRef._make(dest, rref_id)
+        context.users[rref_id] = weakref.ref(rref)
+    weakref.finalize(rref, context._user_finalized, rref_id)
+    rref._confirmed = agent.submit(dest, _create, call_args, None, timeout, function_name=name)
     return rref
+
+
+def debug_info() -> dict[str, int]:
+    """Counts of this worker's RRef state, to check for leaks::
+
+    {"owned_rrefs": values owned here, "user_rrefs": live user RRefs held here,
+     "pending_children": forks waiting for the owner's confirmation,
+     "pending_users": user RRefs the owner has not confirmed yet}
+    """
+    return _context().debug_info()
