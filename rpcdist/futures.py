@@ -40,7 +40,7 @@ class Future(Generic[T]):
         self._result: Any = _PENDING
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[T]], None]] = []
-        self._event: threading.Event | None = None
+        self._event: threading.Lock | None = None  # held while a thread waits; released on completion
         # The loop whose thread completes this future, so wait() there can refuse to deadlock.
         self._loop_hint = loop
 
@@ -64,7 +64,7 @@ class Future(Generic[T]):
             callbacks, self._callbacks = self._callbacks, []
             event = self._event
         if event is not None:
-            event.set()
+            event.release()
         for callback in callbacks:
             self._run_callback(callback)
 
@@ -113,10 +113,14 @@ class Future(Generic[T]):
                 )
             with self._lock:
                 if not self.done() and self._event is None:
-                    self._event = threading.Event()
+                    self._event = threading.Lock()
+                    self._event.acquire()
                 event = self._event
-            if event is not None and not event.wait(timeout):
-                raise TimeoutError(f"Future not complete after {timeout} s")
+            if event is not None:
+                # A plain lock is the cheapest cross-thread wake-up; pass it on to the next waiter.
+                if not event.acquire(timeout=-1 if timeout is None else timeout):
+                    raise TimeoutError(f"Future not complete after {timeout} s")
+                event.release()
         return self.value()
 
     # -- chaining ---------------------------------------------------------------------------------

@@ -52,7 +52,11 @@ class LoopInbox:
 
 
 class WorkerPool:
-    """A bounded set of threads, started on demand, that run blocking jobs in order."""
+    """A bounded set of threads, started on demand, that run blocking jobs in order.
+
+    The idle count is advisory (no lock on the hot path): a race can at worst start a thread
+    early, never more than ``size``.
+    """
 
     def __init__(self, size: int, name: str) -> None:
         self._size = size
@@ -60,40 +64,37 @@ class WorkerPool:
         self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._idle = 0
-        self._lock = threading.Lock()
         self._closed = False
 
     def submit(self, job: Callable[[], Any]) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("worker pool is shut down")
-            if self._idle == 0 and len(self._threads) < self._size:
-                thread = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()
-            else:
-                self._idle -= 1
+        if self._closed:
+            raise RuntimeError("worker pool is shut down")
         self._jobs.put(job)
+        if self._idle <= 0 and len(self._threads) < self._size:
+            thread = threading.Thread(
+                target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
 
     def _work(self) -> None:
+        jobs = self._jobs
         while True:
-            job = self._jobs.get()
+            self._idle += 1
+            job = jobs.get()
+            self._idle -= 1
             if job is None:
                 return
             try:
                 job()
             except Exception:
                 log.exception("job in %s raised", self._name)
-            with self._lock:
-                self._idle += 1
+            del job
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the threads (after the jobs already queued); waits up to ``timeout``."""
-        with self._lock:
-            self._closed = True
-            threads = list(self._threads)
+        self._closed = True
+        threads = list(self._threads)
         for _ in threads:
             self._jobs.put(None)
         for thread in threads:

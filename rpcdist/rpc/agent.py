@@ -471,7 +471,7 @@ class RpcAgent:
 
     def _on_reply_frame(self, peer: _PeerConnection, raw: bytes) -> None:
         for env in wire.decode_frame(raw):
-            message = _collect(peer.assemblies, env)
+            message = _collect(peer.assemblies, env, self.options.max_payload_bytes)
             if message is None:
                 continue
             header, buffers = message
@@ -522,7 +522,7 @@ class RpcAgent:
                 try:
                     envelopes = wire.decode_frame(raw)
                     for env in envelopes:
-                        message = _collect(session.assemblies, env)
+                        message = _collect(session.assemblies, env, self.options.max_payload_bytes)
                         if message is not None:
                             self._on_request(session, *message)
                 except wire.FrameError as exc:
@@ -680,7 +680,7 @@ class RpcAgent:
 
 
 def _collect(
-    assemblies: dict[int, wire.Assembly], env: Any
+    assemblies: dict[int, wire.Assembly], env: Any, max_bytes: int
 ) -> tuple[Any, list[memoryview] | Exception] | None:
     """Feed one envelope; returns (header, buffers) once its message is complete.
 
@@ -697,7 +697,7 @@ def _collect(
     elif not env.buffer_sizes:
         return env, []
     else:
-        assembly = wire.Assembly(env)
+        assembly = wire.Assembly(env, max_bytes)
         if not assembly.complete:
             assemblies[env.call_id] = assembly
             return None

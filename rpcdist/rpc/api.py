@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -117,20 +118,24 @@ def init_rpc(
 
 async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     """Leave the group. ``graceful`` first waits for every worker to finish its outstanding
-    calls (a store barrier); ``timeout`` bounds that wait (0: the default RPC timeout).
+    calls (a store barrier); ``timeout`` bounds the whole shutdown (0: the RPC timeout).
     """
     global _agent
     agent = _agent
     if agent is None:
         return
-    limit = timeout or agent.options.rpc_timeout or 60.0
+    deadline = time.monotonic() + (timeout or agent.options.rpc_timeout or 60.0)
+
+    def remaining() -> float:
+        return max(0.1, deadline - time.monotonic())
+
     store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
     try:
         if graceful:
             agent.rrefs.release_all_users()
-            await agent.wait_for_outstanding(limit)
+            await agent.wait_for_outstanding(remaining())
             try:
-                await rdv.leave_barrier(store, "shutdown", agent.world_size, limit)
+                await rdv.leave_barrier(store, "shutdown", agent.world_size, remaining())
             except Exception as exc:  # a peer died: still close everything below
                 log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
         await agent.close(graceful)
@@ -138,7 +143,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
             # The worker hosting the store keeps serving it until every worker has left.
             try:
                 if agent.rendezvous.server is not None:
-                    await rdv.leave_barrier(store, "exit", agent.world_size, limit)
+                    await rdv.leave_barrier(store, "exit", agent.world_size, remaining())
                 else:
                     await rdv.arrive(store, "exit", agent.world_size)
             except Exception as exc:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from google.protobuf.message import DecodeError
 
+from rpcdist.errors import PayloadTooLargeError
 from rpcdist.rpc import shm
 from rpcdist.v1 import agent_pb2
 
@@ -226,7 +227,7 @@ class Assembly:
 
     __slots__ = ("header", "buffers", "_views", "_index", "_offset", "remaining", "error")
 
-    def __init__(self, header: Envelope) -> None:
+    def __init__(self, header: Envelope, max_bytes: int | None = None) -> None:
         self.header = header
         self.buffers: list[memoryview] = []
         self._views: list[memoryview] = []
@@ -234,6 +235,20 @@ class Assembly:
         shared = list(header.shared_buffers) or [""] * len(header.buffer_sizes)
         if len(shared) != len(header.buffer_sizes):
             raise FrameError("shared_buffers and buffer_sizes differ in length")
+        total = sum(header.buffer_sizes) + len(header.payload)
+        if max_bytes is not None and total > max_bytes:
+            # Too big to accept: consume (and drop) its inline bytes to stay in step.
+            self.error = PayloadTooLargeError(
+                f"message of {total} bytes is above this worker's max_payload_bytes={max_bytes}"
+            )
+            shm.remove(shared)
+            self._index = 0
+            self._offset = 0
+            self.remaining = sum(n for n, name in zip(header.buffer_sizes, shared, strict=True) if not name)
+            self._views = []
+            if header.data:
+                self.feed(header.data)
+            return
         for size, name in zip(header.buffer_sizes, shared, strict=True):
             if name:
                 try:
@@ -255,6 +270,9 @@ class Assembly:
         """Copy the next ``data`` bytes into place; raises FrameError on overflow."""
         if len(data) > self.remaining:
             raise FrameError("message carries more bytes than its header announced")
+        if self.error is not None and not self._views:  # refused: count, don't keep
+            self.remaining -= len(data)
+            return
         pos = 0
         while pos < len(data):
             while self._offset == len(self._views[self._index]):
