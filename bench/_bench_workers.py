@@ -1,0 +1,421 @@
+"""The processes ``rpc_bench.py`` spawns: RPC caller/callee pairs and a raw grpc.aio pair.
+
+Every measuring process talks to the orchestrator over a ``multiprocessing`` Pipe:
+
+    child -> orchestrator   ("phase", name, budget_s)     a measurement starts (hang deadline)
+                            ("result", name, {...})       its numbers
+                            ("error", name, traceback)    it raised; the next phase still runs
+                            ("idle", budget_s)            nothing in flight: measure CPU now,
+                                                          then answer ("go",)
+                            ("measured",)                 all phases done, shutting down
+                            ("done",)                     shut down cleanly
+    orchestrator -> child   ("go",)
+
+A phase named in ``cfg["skip"]`` (it hung in an earlier round) is reported as skipped.
+On a hang the orchestrator sends SIGUSR1: each child dumps every thread's stack into its
+``stack_file`` (faulthandler) before it is killed.
+
+Nothing heavy (torch, grpc) is imported at module level: the orchestrator imports this module
+too, and the raw gRPC processes never import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+GRPC_SERVICE = "rpcbench.Raw"
+GRPC_OPTIONS = [
+    # Only what a 64 MB unary message needs; everything else stays at grpc's defaults so the
+    # raw rows are a floor, not a tuned transport.
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# process setup shared by every child
+# ------------------------------------------------------------------------------------------------
+def _child_setup(stack_file: str | None, lifeline: Any) -> Any:
+    """Die with the orchestrator, make the benchmark functions importable, arm stack dumps.
+
+    ``lifeline`` is the read end of a pipe only the orchestrator writes to: when it dies (even
+    by SIGKILL) the pipe reports EOF and this process exits. PR_SET_PDEATHSIG alone is not
+    enough: a forkserver child's parent is the forkserver, which outlives the orchestrator as
+    long as any of its children do.
+    """
+    import threading
+
+    def watch() -> None:
+        try:
+            lifeline.recv()  # blocks without CPU; nothing is ever sent
+        except (EOFError, OSError):
+            pass
+        os._exit(70)
+
+    threading.Thread(target=watch, name="rpcbench-lifeline", daemon=True).start()
+    try:  # PR_SET_PDEATHSIG: a SIGKILLed orchestrator must not leave orphans burning CPU
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent already died before prctl took effect
+            os._exit(3)
+    except Exception:
+        pass
+    if BENCH_DIR not in sys.path:
+        sys.path.insert(0, BENCH_DIR)
+    # The orchestrator's stdout carries only the table: children write to stderr.
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    import logging
+    import warnings
+
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[pid {os.getpid()}] %(levelname)s %(name)s: %(message)s"
+    )
+    warnings.filterwarnings("ignore", category=UserWarning)
+    handle = None
+    if stack_file:
+        import faulthandler
+        import signal
+
+        handle = open(stack_file, "w")  # noqa: SIM115 - must stay open for the process's life
+        faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
+    return handle
+
+
+def _stats_ns(samples_ns: list[int]) -> dict[str, float]:
+    """Per-call times (ns) -> median / p10 / p90 / mean in µs."""
+    s = sorted(samples_ns)
+    n = len(s)
+
+    def pct(p: float) -> float:
+        return s[min(n - 1, int(p * n))] / 1e3
+
+    return {
+        "median_us": statistics.median(s) / 1e3,
+        "p10_us": pct(0.10),
+        "p90_us": pct(0.90),
+        "mean_us": sum(s) / n / 1e3,
+        "n": n,
+    }
+
+
+class _Reporter:
+    """Runs phases, reports them, and keeps going after a failing phase."""
+
+    def __init__(self, conn: Any, cfg: dict[str, Any]) -> None:
+        self.conn = conn
+        self.cfg = cfg
+
+    def run(self, name: str, fn: Any, *args: Any) -> None:
+        if name in self.cfg.get("skip", ()):
+            self.conn.send(("error", name, "skipped: this phase hung in an earlier round"))
+            return
+        self.conn.send(("phase", name, self.cfg["phase_budget"]))
+        try:
+            if os.environ.get("RPCBENCH_FAIL_PHASE") == name:  # exercises the harness's error path
+                raise RuntimeError(f"failure injected into phase {name!r} by RPCBENCH_FAIL_PHASE")
+            result = fn(*args)
+        except BaseException:
+            self.conn.send(("error", name, traceback.format_exc()))
+        else:
+            self.conn.send(("result", name, result))
+
+    def idle(self) -> None:
+        self.conn.send(("idle", self.cfg["idle_seconds"] + 30))
+        msg = self.conn.recv()
+        assert msg == ("go",), msg
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.distributed.rpc / rpcdist: one caller (rank 0) and one callee (rank 1)
+# ------------------------------------------------------------------------------------------------
+def rpc_worker(
+    system: str, rank: int, init_method: str, conn: Any, cfg: dict[str, Any], stack_file: str, lifeline: Any
+) -> None:
+    """Entry point of one member of a 2-process RPC group of ``system`` ("torch" or "rpcdist")."""
+    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    name = "caller" if rank == 0 else "callee"
+    if system == "torch":
+        import torch.distributed.rpc as rpc
+
+        options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)  # TensorPipe defaults
+    elif system == "rpcdist":
+        import rpcdist.rpc as rpc
+
+        options = rpc.RpcBackendOptions(init_method=init_method)
+    else:
+        raise ValueError(system)
+
+    if rank != 0:  # the callee only serves until the caller shuts the group down
+        rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=options)
+        rpc.shutdown()
+        return
+
+    report = _Reporter(conn, cfg)
+    conn.send(("phase", "init", cfg["init_budget"]))
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=options)
+    except BaseException:
+        conn.send(("error", "init", traceback.format_exc()))
+        raise
+    conn.send(("result", "init", {}))
+    try:
+        _rpc_phases(rpc, report, cfg)
+    finally:
+        conn.send(("measured",))
+        conn.send(("phase", "shutdown", cfg["init_budget"]))
+        rpc.shutdown()
+        conn.send(("done",))
+
+
+def _rpc_phases(rpc: Any, report: _Reporter, cfg: dict[str, Any]) -> None:
+    import threading
+
+    import _bench_functions as F
+    import torch
+
+    peer = "callee"
+
+    def sanity() -> dict[str, Any]:
+        pid = rpc.rpc_sync(peer, F.getpid)
+        if pid == os.getpid():
+            raise RuntimeError("the callee runs in the caller's process")
+        return {"callee_pid": pid}
+
+    def latency() -> dict[str, Any]:
+        for _ in range(cfg["warmup"]):
+            rpc.rpc_sync(peer, F.noop)
+        clock = time.perf_counter_ns
+        samples = []
+        for _ in range(cfg["lat_calls"]):
+            t0 = clock()
+            rpc.rpc_sync(peer, F.noop)
+            samples.append(clock() - t0)
+        return _stats_ns(samples)
+
+    def window_batch(n: int, window: int) -> float:
+        """n no-op rpc_async calls with at most ``window`` outstanding; returns calls/s."""
+        slots = threading.Semaphore(window)
+        failures: list[BaseException] = []
+
+        def on_done(fut: Any) -> None:
+            try:
+                fut.value()
+            except BaseException as exc:  # recorded, raised by the caller below
+                failures.append(exc)
+            slots.release()
+
+        t0 = time.perf_counter()
+        for _ in range(n):
+            slots.acquire()
+            rpc.rpc_async(peer, F.noop).add_done_callback(on_done)
+        for _ in range(window):  # wait for the tail
+            slots.acquire()
+        elapsed = time.perf_counter() - t0
+        if failures:
+            raise failures[0]
+        return n / elapsed
+
+    def calls_per_s() -> dict[str, Any]:
+        window = cfg["window"]
+        window_batch(max(window * 4, cfg["warmup"]), window)
+        rates = [window_batch(cfg["calls_n"], window) for _ in range(cfg["calls_batches"])]
+        return {"calls_per_s": statistics.median(rates), "batches": rates, "window": window}
+
+    def one_way(size: int) -> dict[str, Any]:
+        x = torch.randn(size // 4)  # float32
+        for _ in range(cfg["bulk_warmup"]):
+            rpc.rpc_sync(peer, F.sink, args=(x,))
+        clock = time.perf_counter_ns
+        samples = []
+        for _ in range(cfg["bulk_iters"][str(size)]):
+            t0 = clock()
+            rpc.rpc_sync(peer, F.sink, args=(x,))
+            samples.append(clock() - t0)
+        st = _stats_ns(samples)
+        st["MBps"] = (size / MiB) / (st["median_us"] / 1e6)
+        return st
+
+    def remote() -> dict[str, Any]:
+        for i in range(max(10, cfg["warmup"] // 4)):
+            rpc.remote(peer, F.small, args=(i,)).to_here()
+        clock = time.perf_counter_ns
+        samples = []
+        for i in range(cfg["remote_calls"]):
+            t0 = clock()
+            value = rpc.remote(peer, F.small, args=(i,)).to_here()
+            samples.append(clock() - t0)
+            if value != i + 1:
+                raise RuntimeError(f"remote(small, {i}).to_here() gave {value!r}")
+        return _stats_ns(samples)
+
+    report.run("sanity", sanity)
+    report.run("latency", latency)
+    report.run("calls", calls_per_s)
+    for size in cfg["sizes"]:
+        report.run(f"oneway_{size}", one_way, size)
+    report.run("remote", remote)
+    time.sleep(0.5)  # let callbacks / RRef deletions settle before "nothing in flight"
+    report.idle()
+
+
+# ------------------------------------------------------------------------------------------------
+# raw grpc.aio: a generic-handler server and an asyncio client, bytes in / bytes out
+# ------------------------------------------------------------------------------------------------
+def grpc_server(conn: Any, stack_file: str, lifeline: Any) -> None:
+    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    import asyncio
+
+    import grpc
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+
+        async def unary(request: bytes, context: Any) -> bytes:
+            return b"ok"
+
+        async def stream(requests: Any, context: Any) -> bytes:
+            total = 0
+            async for chunk in requests:
+                total += len(chunk)
+            return total.to_bytes(8, "little")
+
+        async def stop_rpc(request: bytes, context: Any) -> bytes:
+            stop.set()
+            return b""
+
+        handler = grpc.method_handlers_generic_handler(
+            GRPC_SERVICE,
+            {
+                "Unary": grpc.unary_unary_rpc_method_handler(unary),
+                "Stream": grpc.stream_unary_rpc_method_handler(stream),
+                "Stop": grpc.unary_unary_rpc_method_handler(stop_rpc),
+            },
+        )
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(("port", port))
+        await stop.wait()
+        await server.stop(grace=1.0)
+
+    asyncio.run(serve())
+
+
+def grpc_client(port: int, conn: Any, cfg: dict[str, Any], stack_file: str, lifeline: Any) -> None:
+    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    import asyncio
+
+    import grpc
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+        await asyncio.wait_for(channel.channel_ready(), 60)
+        unary = channel.unary_unary(f"/{GRPC_SERVICE}/Unary")
+        stream = channel.stream_unary(f"/{GRPC_SERVICE}/Stream")
+        stop = channel.unary_unary(f"/{GRPC_SERVICE}/Stop")
+        tiny = b"x" * 8
+        clock = time.perf_counter_ns
+
+        # The coroutine twin of _Reporter.run.
+        async def run(name: str, coro_fn: Any, *args: Any) -> None:
+            if name in cfg.get("skip", ()):
+                conn.send(("error", name, "skipped: this phase hung in an earlier round"))
+                return
+            conn.send(("phase", name, cfg["phase_budget"]))
+            try:
+                result = await coro_fn(*args)
+            except BaseException:
+                conn.send(("error", name, traceback.format_exc()))
+            else:
+                conn.send(("result", name, result))
+
+        async def latency() -> dict[str, Any]:
+            for _ in range(cfg["warmup"]):
+                await unary(tiny)
+            samples = []
+            for _ in range(cfg["lat_calls"]):
+                t0 = clock()
+                await unary(tiny)
+                samples.append(clock() - t0)
+            return _stats_ns(samples)
+
+        async def window_batch(n: int, window: int) -> float:
+            left = n
+
+            async def lane() -> None:
+                nonlocal left
+                while left > 0:
+                    left -= 1
+                    await unary(tiny)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(lane() for _ in range(window)))
+            return n / (time.perf_counter() - t0)
+
+        async def calls_per_s() -> dict[str, Any]:
+            window = cfg["window"]
+            await window_batch(max(window * 4, cfg["warmup"]), window)
+            rates = [await window_batch(cfg["calls_n"], window) for _ in range(cfg["calls_batches"])]
+            return {"calls_per_s": statistics.median(rates), "batches": rates, "window": window}
+
+        async def one_way(size: int) -> dict[str, Any]:
+            payload = os.urandom(size)
+            for _ in range(cfg["bulk_warmup"]):
+                await unary(payload)
+            samples = []
+            for _ in range(cfg["bulk_iters"][str(size)]):
+                t0 = clock()
+                await unary(payload)
+                samples.append(clock() - t0)
+            st = _stats_ns(samples)
+            st["MBps"] = (size / MiB) / (st["median_us"] / 1e6)
+            return st
+
+        async def client_stream() -> dict[str, Any]:
+            size = cfg["stream_bytes"]
+            chunk = cfg["stream_chunk"]
+            payload = os.urandom(size)
+            chunks = [payload[i : i + chunk] for i in range(0, size, chunk)]
+            for _ in range(cfg["bulk_warmup"]):
+                await stream(iter(chunks))
+            samples = []
+            for _ in range(cfg["stream_iters"]):
+                t0 = clock()
+                got = await stream(iter(chunks))
+                samples.append(clock() - t0)
+                if int.from_bytes(got, "little") != size:
+                    raise RuntimeError(f"server received {int.from_bytes(got, 'little')} of {size} bytes")
+            st = _stats_ns(samples)
+            st["MBps"] = (size / MiB) / (st["median_us"] / 1e6)
+            return st
+
+        await run("latency", latency)
+        await run("calls", calls_per_s)
+        for size in cfg["sizes"]:
+            await run(f"oneway_{size}", one_way, size)
+        await run("stream", client_stream)
+        await asyncio.sleep(0.5)
+        conn.send(("idle", cfg["idle_seconds"] + 30))
+        msg = await loop.run_in_executor(None, conn.recv)
+        assert msg == ("go",), msg
+        conn.send(("measured",))
+        conn.send(("phase", "shutdown", cfg["init_budget"]))
+        try:
+            await stop(b"")
+        finally:
+            await channel.close()
+
+    asyncio.run(main())
+    conn.send(("done",))
