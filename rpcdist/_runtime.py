@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -21,11 +22,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop when installed (much cheaper wake-ups and socket I/O), else asyncio's.
+
+    ``RPCDIST_LOOP=asyncio`` forces the standard loop.
+    """
+    if os.environ.get("RPCDIST_LOOP", "uvloop") != "asyncio":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
 class LoopThread:
     """An asyncio loop running forever in a daemon thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name="rpcdist-loop", daemon=True)
         self._thread.start()
 

@@ -40,6 +40,7 @@ __all__ = [
     "UnknownWorkerError",
     "PayloadTooLargeError",
     "SerializationError",
+    "annotate_remote",
 ]
 
 
@@ -105,3 +106,14 @@ class PayloadTooLargeError(RpcError, ValueError):
 
 class SerializationError(RpcError, TypeError):
     """Arguments or a result could not be pickled (raised before anything is sent)."""
+
+
+def annotate_remote(exc: BaseException, worker: str, function: str, remote_traceback: str) -> BaseException:
+    """Mark ``exc`` as raised on ``worker`` in ``function``, with the remote traceback attached."""
+    if getattr(exc, "remote_worker", None) is None:
+        exc.remote_traceback = remote_traceback  # type: ignore[attr-defined]
+        exc.remote_worker = worker  # type: ignore[attr-defined]
+        exc.remote_function = function  # type: ignore[attr-defined]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"Raised on worker {worker} in {function}. Remote traceback:\n{remote_traceback}")
+    return exc

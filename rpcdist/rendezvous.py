@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
@@ -29,7 +30,16 @@ from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rendezvous", "Member", "rendezvous", "join_group", "arrive", "leave_barrier", "is_loopback"]
+__all__ = [
+    "Rendezvous",
+    "Member",
+    "rendezvous",
+    "join_group",
+    "arrive",
+    "barrier",
+    "leave_barrier",
+    "is_loopback",
+]
 
 
 @dataclass
@@ -175,6 +185,40 @@ async def leave_barrier(store: Store, key: str, world_size: int, timeout: float)
     """Block until all ``world_size`` members reach the barrier named ``key``."""
     await arrive(store, key, world_size)
     await store.wait_async([f"{key}/done"], timeout)
+
+
+async def barrier(
+    store: Store,
+    key: str,
+    rank: int,
+    world_size: int,
+    timeout: float | None,
+    find_dead: Callable[[list[int]], Awaitable[list[int]]] | None = None,
+    probe_every: float = 5.0,
+) -> None:
+    """Wait until every rank has reached barrier ``key``.
+
+    ``timeout=None`` waits as long as the missing ranks are alive: every ``probe_every``
+    seconds ``find_dead(missing)`` is asked which of them are gone, and a dead rank ends the
+    wait with a RendezvousError naming it instead of a hang.
+    """
+    await store.set_async(f"{key}/{rank}", b"1")
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = probe_every if deadline is None else min(probe_every, max(0.0, deadline - time.monotonic()))
+        try:
+            await store.wait_async(keys, step)
+            return
+        except StoreTimeoutError:
+            pass
+        missing = [r for r in range(world_size) if not await store.check_async([f"{key}/{r}"])]
+        if deadline is not None and time.monotonic() >= deadline:
+            raise RendezvousError(f"barrier {key!r}: ranks {missing} did not arrive within {timeout:g} s")
+        if find_dead is not None:
+            dead = await find_dead(missing)
+            if dead:
+                raise RendezvousError(f"barrier {key!r}: ranks {dead} are gone; not waiting for them")
 
 
 def local_address_towards(host: str) -> str:

@@ -54,8 +54,8 @@ class LoopInbox:
 class WorkerPool:
     """A bounded set of threads, started on demand, that run blocking jobs in order.
 
-    The idle count is advisory (no lock on the hot path): a race can at worst start a thread
-    early, never more than ``size``.
+    Each job reserves an idle thread at submission (or starts one while below ``size``), so
+    a burst of jobs gets as many threads as it needs, up to the bound.
     """
 
     def __init__(self, size: int, name: str) -> None:
@@ -64,25 +64,27 @@ class WorkerPool:
         self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._idle = 0
+        self._lock = threading.Lock()
         self._closed = False
 
     def submit(self, job: Callable[[], Any]) -> None:
-        if self._closed:
-            raise RuntimeError("worker pool is shut down")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("worker pool is shut down")
+            if self._idle > 0:
+                self._idle -= 1
+            elif len(self._threads) < self._size:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
         self._jobs.put(job)
-        if self._idle <= 0 and len(self._threads) < self._size:
-            thread = threading.Thread(
-                target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
 
     def _work(self) -> None:
         jobs = self._jobs
         while True:
-            self._idle += 1
             job = jobs.get()
-            self._idle -= 1
             if job is None:
                 return
             try:
@@ -90,11 +92,14 @@ class WorkerPool:
             except Exception:
                 log.exception("job in %s raised", self._name)
             del job
+            with self._lock:
+                self._idle += 1
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the threads (after the jobs already queued); waits up to ``timeout``."""
-        self._closed = True
-        threads = list(self._threads)
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
         for _ in threads:
             self._jobs.put(None)
         for thread in threads:

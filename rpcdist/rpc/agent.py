@@ -18,6 +18,7 @@ import collections
 import inspect
 import itertools
 import logging
+import pickle
 import threading
 import time
 import traceback
@@ -27,7 +28,6 @@ from typing import Any
 import grpc
 
 from rpcdist import serialization
-from rpcdist._runtime import current_loop
 from rpcdist.errors import (
     PayloadTooLargeError,
     RemoteError,
@@ -36,80 +36,20 @@ from rpcdist.errors import (
     SerializationError,
     UnknownWorkerError,
     WorkerUnavailableError,
+    annotate_remote,
 )
 from rpcdist.futures import Future
 from rpcdist.rendezvous import Member, Rendezvous
-from rpcdist.rpc import shm, wire
+from rpcdist.rpc import shm, transport, wire
 from rpcdist.rpc._threads import LoopInbox, WorkerPool
 from rpcdist.rpc.functions import is_async_execution
 from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
 from rpcdist.rpc.rref import RRefContext
+from rpcdist.rpc.transport import FrameWriter
 
 log = logging.getLogger(__name__)
 
-EXCHANGE_METHOD = "/rpcdist.v1.Agent/Exchange"
-_MAX_FRAME_BYTES = 1 << 20
-_GRPC_MESSAGE_LIMIT = 64 << 20
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _GRPC_MESSAGE_LIMIT),
-    ("grpc.max_receive_message_length", _GRPC_MESSAGE_LIMIT),
-    ("grpc.so_reuseport", 0),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 0),
-]
-
 Entries = Iterator[list[bytes | memoryview]]
-
-
-class _FrameWriter:
-    """Writes queued messages to one stream, many small envelopes per write.
-
-    Large messages are interleaved chunk by chunk with others, so a 1 GiB tensor does not hold
-    up small calls to the same peer.
-    """
-
-    def __init__(self, write: Callable[[bytes], Any], name: str) -> None:
-        self._write = write
-        self._messages: collections.deque[Entries] = collections.deque()
-        self._wake = asyncio.Event()
-        self._closed = False
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
-
-    def send(self, entries: Entries) -> None:
-        self._messages.append(entries)
-        self._wake.set()
-
-    async def _run(self) -> None:
-        messages = self._messages
-        while True:
-            if not messages:
-                if self._closed:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            pieces: list[bytes | memoryview] = []
-            size = 0
-            while messages and size < _MAX_FRAME_BYTES:
-                entry = next(messages[0], None)
-                if entry is None:
-                    messages.popleft()
-                    continue
-                pieces += entry
-                size += sum(len(p) for p in entry)
-                if size >= _MAX_FRAME_BYTES and len(messages) > 1:
-                    messages.rotate(-1)  # a big message yields its turn after each chunk
-            if pieces:
-                await self._write(b"".join(pieces))
-
-    async def close(self) -> None:
-        """Flush what is queued, then stop."""
-        self._closed = True
-        self._wake.set()
-        await self._task
-
-    def abort(self) -> None:
-        self._task.cancel()
 
 
 class _OutgoingCall:
@@ -135,60 +75,12 @@ class _OutgoingCall:
         self.call_id = 0
 
 
-class _PeerConnection:
-    """The caller's end of the Exchange stream to one peer."""
-
-    def __init__(self, agent: RpcAgent, peer: WorkerInfo, address: str) -> None:
-        self.agent = agent
-        self.peer = peer
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.call = self.channel.stream_stream(
-            EXCHANGE_METHOD, request_serializer=None, response_deserializer=None
-        )()
-        self.writer = _FrameWriter(self.call.write, peer.name)
-        self.assemblies: dict[int, wire.Assembly] = {}
-        self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"rpcdist-reader-{peer.name}")
-
-    async def _read(self) -> None:
-        reason = "the stream ended"
-        try:
-            while True:
-                raw = await self.call.read()
-                if raw is grpc.aio.EOF:
-                    break
-                self.agent._on_reply_frame(self, raw)
-        except grpc.aio.AioRpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-        except asyncio.CancelledError:
-            reason = "the connection was closed"
-            raise
-        except Exception as exc:  # a malformed reply: fail this peer's calls, keep the agent up
-            log.exception("bad frame from %s", self.peer.name)
-            reason = f"bad frame: {exc}"
-        finally:
-            self.agent._on_connection_lost(self, reason)
-
-    async def close(self, graceful: bool) -> None:
-        try:
-            if graceful:
-                await asyncio.wait_for(self.writer.close(), 5.0)
-                await asyncio.wait_for(self.call.done_writing(), 5.0)
-                await asyncio.wait_for(asyncio.shield(self.reader), 5.0)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
-            pass
-        finally:
-            self.writer.abort()
-            self.reader.cancel()
-            await self.channel.close(grace=None)
-
-
 class _InboundSession:
-    """The callee's end of one caller's Exchange stream."""
+    """The callee's end of one caller's connection (a gRPC stream or a Unix socket)."""
 
-    def __init__(self, agent: RpcAgent, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, agent: RpcAgent, write: Callable[[bytes], Any]) -> None:
         self.agent = agent
-        self.writer = _FrameWriter(context.write, "inbound")
+        self.writer = FrameWriter(write, "inbound")
         self.assemblies: dict[int, wire.Assembly] = {}
         self.running: dict[int, Any] = {}  # call_id -> asyncio.Task or _ThreadJob
         self.idle = asyncio.Event()
@@ -197,6 +89,27 @@ class _InboundSession:
         # Shared-memory files of responses, removed when the session ends in case the caller
         # never adopted them (it unlinks the ones it does).
         self.exported: collections.deque[str] = collections.deque()
+        agent._sessions.add(self)
+
+    def on_frame(self, raw: bytes) -> None:
+        """Handle one incoming frame; raises FrameError if it is malformed."""
+        agent = self.agent
+        for env in wire.decode_frame(raw):
+            message = _collect(self.assemblies, env, agent.options.max_payload_bytes)
+            if message is not None:
+                agent._on_request(self, *message)
+
+    async def finish(self) -> None:
+        """The caller is done sending: finish its calls, then flush the replies."""
+        await self.idle.wait()
+        await self.writer.close()
+
+    def cleanup(self) -> None:
+        for job in self.running.values():
+            job.cancel()
+        self.writer.abort()
+        shm.remove(self.exported)
+        self.agent._sessions.discard(self)
 
     def remember_exported(self, names: list[str]) -> None:
         self.exported.extend(n for n in names if n)
@@ -247,13 +160,18 @@ class RpcAgent:
         self.workers_by_rank: dict[int, WorkerInfo] = {}
         self.workers_by_name: dict[str, WorkerInfo] = {}
         self.addresses: dict[int, str] = {}
+        self.cards: dict[int, dict[str, str]] = {}
+        # Requests that arrive before set_members (None once the group is known).
+        self._early_requests: list[tuple[Any, Any, Any]] | None = []
+        self._unix_server: asyncio.AbstractServer | None = None
+        self.unix_path = ""
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._pool = WorkerPool(options.num_worker_threads, f"rpcdist-{info.name}")
         self._inbox = LoopInbox(loop)
         self._call_ids = itertools.count(1)
         self._pending: dict[int, _OutgoingCall] = {}
-        self._peers: dict[int, _PeerConnection] = {}
+        self._peers: dict[int, transport.Link] = {}
         self._sessions: set[_InboundSession] = set()
         self._no_pending = asyncio.Event()
         self._no_pending.set()
@@ -266,36 +184,71 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ lifecycle
     async def serve(self, host: str) -> int:
-        """Start the gRPC server on ``host`` (ephemeral port); returns the port."""
+        """Start the gRPC server on ``host`` (ephemeral port), and the Unix socket for
+        co-located peers; returns the gRPC port."""
         handler = grpc.method_handlers_generic_handler(
             "rpcdist.v1.Agent",
             {
                 "Exchange": grpc.stream_stream_rpc_method_handler(
-                    self._exchange, request_deserializer=None, response_serializer=None
+                    self._exchange,
+                    request_deserializer=None,
+                    response_serializer=None,
                 )
             },
         )
-        self.server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=transport.CHANNEL_OPTIONS)
         self.server.add_generic_rpc_handlers((handler,))
         self.port = self.server.add_insecure_port(f"{host}:0")
         await self.server.start()
+        if self.shm_probe and self.options.transport != "grpc":
+            path = shm.socket_path()
+            try:
+                self._unix_server = await transport.serve_unix(path, self._new_session)
+                self.unix_path = path
+            except OSError as exc:
+                log.info("no Unix-socket transport (%s); co-located peers use gRPC", exc)
         return self.port
 
+    async def _exchange(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        await transport.serve_grpc_stream(self._new_session, requests, context)
+
+    def _new_session(self, write: Callable[[bytes], Any]) -> _InboundSession:
+        return _InboundSession(self, write)
+
     def set_members(self, members: list[Member]) -> None:
+        """Learn the group; calls that arrived before this (from peers that finished joining
+        first) run now, in arrival order."""
         for member in members:
             info = WorkerInfo(member.name, member.rank)
             self.workers_by_rank[member.rank] = info
             self.workers_by_name[member.name] = info
             self.addresses[member.rank] = member.address
+            self.cards[member.rank] = member.card
             if self.shm_probe and shm.sees_probe(member.card.get("shm_probe", "")):
                 self._colocated.add(member.rank)
+        deferred, self._early_requests = self._early_requests, None
+        for session, header, buffers in deferred or ():
+            self._on_request(session, header, buffers)
 
-    async def wait_for_outstanding(self, timeout: float) -> None:
+    async def wait_for_outstanding(self, timeout: float | None) -> None:
         """Wait until every call this worker made has completed (or ``timeout`` passes)."""
         try:
             await asyncio.wait_for(self._no_pending.wait(), timeout)
         except asyncio.TimeoutError:
             log.warning("%s: %d calls still outstanding at shutdown", self.info.name, len(self._pending))
+
+    async def find_dead(self, ranks: list[int]) -> list[int]:
+        """Which of ``ranks`` no longer answer (a refused or lost connection, not slowness)."""
+        probes = [self.submit(rank, _ping, None, None, 5.0, function_name="rpcdist.ping") for rank in ranks]
+        dead = []
+        for rank, probe in zip(ranks, probes, strict=True):
+            try:
+                await probe
+            except WorkerUnavailableError:
+                dead.append(rank)
+            except Exception:  # noqa: BLE001 - busy or slow is alive
+                pass
+        return dead
 
     async def close(self, graceful: bool) -> None:
         """Close streams, server and threads. Outstanding calls fail with WorkerUnavailableError."""
@@ -305,8 +258,12 @@ class RpcAgent:
         for peer in list(self._peers.values()):
             await peer.close(graceful)
         self._peers.clear()
+        if self._unix_server is not None:
+            self._unix_server.close()
+            shm.remove_socket(self.unix_path)
         if self.server is not None:
             await self.server.stop(grace=1.0 if graceful else None)
+            self.server = None  # its handlers refer back to this agent
         for call_id in list(self._pending):
             self._fail(call_id, WorkerUnavailableError(f"worker {self.info.name} shut down"))
         self._pool.shutdown(timeout=1.0 if graceful else 0.1)
@@ -436,12 +393,16 @@ class RpcAgent:
         )
         call.payload, call.buffers = b"", []  # the writer holds them now
 
-    def _connection(self, rank: int) -> _PeerConnection:
-        peer = self._peers.get(rank)
-        if peer is None:
-            peer = _PeerConnection(self, self.workers_by_rank[rank], self.addresses[rank])
-            self._peers[rank] = peer
-        return peer
+    def _connection(self, rank: int) -> transport.Link:
+        link = self._peers.get(rank)
+        if link is None:
+            unix_path = self.cards[rank].get("unix", "")
+            if unix_path and rank in self._colocated and self.options.transport != "grpc":
+                link = transport.UnixLink(self, self.workers_by_rank[rank], unix_path)
+            else:
+                link = transport.GrpcLink(self, self.workers_by_rank[rank], self.addresses[rank])
+            self._peers[rank] = link
+        return link
 
     def _expire(self, call_id: int) -> None:
         call = self._pending.get(call_id)
@@ -469,7 +430,7 @@ class RpcAgent:
             self._no_pending.set()
         call.future._try_complete(None, error)
 
-    def _on_reply_frame(self, peer: _PeerConnection, raw: bytes) -> None:
+    def _on_reply_frame(self, peer: transport.Link, raw: bytes) -> None:
         for env in wire.decode_frame(raw):
             message = _collect(peer.assemblies, env, self.options.max_payload_bytes)
             if message is None:
@@ -500,7 +461,7 @@ class RpcAgent:
             else:
                 call.future._try_complete(None, _rebuild_error(header.payload, buffers, call))
 
-    def _on_connection_lost(self, peer: _PeerConnection, reason: str) -> None:
+    def _on_connection_lost(self, peer: transport.Link, reason: str) -> None:
         if self._peers.get(peer.peer.id) is peer:
             del self._peers[peer.peer.id]
         for call_id, call in list(self._pending.items()):
@@ -514,29 +475,10 @@ class RpcAgent:
                 )
 
     # ------------------------------------------------------------------ callee side
-    async def _exchange(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        session = _InboundSession(self, context)
-        self._sessions.add(session)
-        try:
-            async for raw in request_iterator:
-                try:
-                    envelopes = wire.decode_frame(raw)
-                    for env in envelopes:
-                        message = _collect(session.assemblies, env, self.options.max_payload_bytes)
-                        if message is not None:
-                            self._on_request(session, *message)
-                except wire.FrameError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
-            await session.idle.wait()  # the caller is done sending: finish its calls first
-            await session.writer.close()
-        finally:
-            for job in session.running.values():
-                job.cancel()
-            session.writer.abort()
-            shm.remove(session.exported)
-            self._sessions.discard(session)
-
     def _on_request(self, session: _InboundSession, header: Any, buffers: list[memoryview]) -> None:
+        if self._early_requests is not None:
+            self._early_requests.append((session, header, buffers))
+            return
         call_id = header.call_id
         if header.kind == wire.CANCEL:
             job = session.running.get(call_id)
@@ -670,12 +612,15 @@ class RpcAgent:
             "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
             "message": f"{type(exc).__name__}: {exc}" + (f" (while {what})" if loading else ""),
             "traceback": text,
+            "exception": b"",
         }
+        # The exception travels as nested pickle bytes: if the caller cannot rebuild it (its
+        # class exists only here), the description above still arrives intact.
         try:
-            payload, buffers = serialization.dumps({**description, "exception": exc})
-            serialization.loads(payload, [bytearray(b) for b in buffers])  # must rebuild on the caller
-        except Exception:
-            payload, buffers = serialization.dumps({**description, "exception": None})
+            description["exception"] = pickle.dumps(exc, protocol=5)
+        except Exception:  # noqa: BLE001 - unpicklable exception: the description stands in
+            pass
+        payload, buffers = serialization.dumps(description)
         session.respond(wire.encode_message(call_id, wire.ERROR, payload, buffers))
 
 
@@ -720,6 +665,10 @@ async def _awaitable(result: Any) -> Any:
     )
 
 
+async def _ping() -> None:
+    """Answered by every worker's loop; used to tell a dead peer from a slow one."""
+
+
 def _settle(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -734,14 +683,14 @@ def _rebuild_error(
     except Exception as exc:
         return RemoteError(f"{call.function} failed on worker {call.dest.name} (error not readable: {exc})")
     where = f"on worker {info['worker']} in {info['function']}"
-    exc = info.get("exception")
+    exc: Any = None
+    if info.get("exception"):
+        try:
+            exc = pickle.loads(info["exception"])
+        except Exception:  # noqa: BLE001 - the class is not importable here
+            exc = None
     if isinstance(exc, BaseException):
-        exc.remote_traceback = info["traceback"]  # type: ignore[attr-defined]
-        exc.remote_worker = info["worker"]  # type: ignore[attr-defined]
-        exc.remote_function = info["function"]  # type: ignore[attr-defined]
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"Raised {where}. Remote traceback:\n{info['traceback']}")
-        return exc
+        return annotate_remote(exc, info["worker"], info["function"], info["traceback"])
     error = RemoteError(
         f"{info['message']} (raised {where})\nRemote traceback:\n{info['traceback']}",
         remote_type=info["type"],
@@ -750,7 +699,3 @@ def _rebuild_error(
     error.remote_worker = info["worker"]  # type: ignore[attr-defined]
     error.remote_function = info["function"]  # type: ignore[attr-defined]
     return error
-
-
-def running_on(loop: asyncio.AbstractEventLoop) -> bool:
-    return current_loop() is loop

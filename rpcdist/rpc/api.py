@@ -8,6 +8,7 @@ runs it on the caller's own loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -77,7 +78,7 @@ async def init_rpc_async(
             listen if listen != "0.0.0.0" else rdv.local_address_towards(meeting.host or "8.8.8.8")
         )
         store = PrefixStore(_STORE_PREFIX, meeting.store)
-        card = {"address": f"{advertise}:{port}", "shm_probe": agent.shm_probe}
+        card = {"address": f"{advertise}:{port}", "shm_probe": agent.shm_probe, "unix": agent.unix_path}
         members = await rdv.join_group(store, name, rank, world_size, card, timeout)
         agent.set_members(members)
     except BaseException:
@@ -117,17 +118,22 @@ def init_rpc(
 
 
 async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
-    """Leave the group. ``graceful`` first waits for every worker to finish its outstanding
-    calls (a store barrier); ``timeout`` bounds the whole shutdown (0: the RPC timeout).
+    """Leave the group.
+
+    ``graceful`` first waits until every worker has finished its outstanding calls and reached
+    shutdown (a store barrier), so no call is cut off. ``timeout`` (seconds) bounds that wait;
+    0 waits as long as the missing workers are alive (a worker that died ends the wait with a
+    warning, never a hang). ``graceful=False`` closes at once.
     """
     global _agent
     agent = _agent
     if agent is None:
         return
-    deadline = time.monotonic() + (timeout or agent.options.rpc_timeout or 60.0)
+    limit = timeout if timeout and timeout > 0 else None
+    deadline = None if limit is None else time.monotonic() + limit
 
-    def remaining() -> float:
-        return max(0.1, deadline - time.monotonic())
+    def remaining() -> float | None:
+        return None if deadline is None else max(0.1, deadline - time.monotonic())
 
     store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
     try:
@@ -135,22 +141,38 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
             agent.rrefs.release_all_users()
             await agent.wait_for_outstanding(remaining())
             try:
-                await rdv.leave_barrier(store, "shutdown", agent.world_size, remaining())
-            except Exception as exc:  # a peer died: still close everything below
+                await rdv.barrier(
+                    store, "shutdown", agent.info.id, agent.world_size, remaining(), agent.find_dead
+                )
+            except Exception as exc:  # a peer died or the store is gone: still close below
                 log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
         await agent.close(graceful)
         if graceful:
-            # The worker hosting the store keeps serving it until every worker has left.
+            # The worker hosting the store keeps serving it until every worker has passed the
+            # shutdown barrier (they are all on their way out: this takes moments).
             try:
                 if agent.rendezvous.server is not None:
-                    await rdv.leave_barrier(store, "exit", agent.world_size, remaining())
+                    await rdv.leave_barrier(store, "exit", agent.world_size, min(remaining() or 30.0, 30.0))
                 else:
                     await rdv.arrive(store, "exit", agent.world_size)
             except Exception as exc:
                 log.warning("%s: exit barrier failed: %s", agent.info.name, exc)
         await agent.rendezvous.close()
+    except BaseException:
+        # Cancelled or failed half-way: close everything anyway, so nothing stays serving.
+        await asyncio.shield(_close_quietly(agent))
+        raise
     finally:
         _agent = None
+        gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
+
+
+async def _close_quietly(agent: RpcAgent) -> None:
+    try:
+        await agent.close(graceful=False)
+        await agent.rendezvous.close()
+    except Exception as exc:
+        log.debug("closing after a failed shutdown: %s", exc)
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:

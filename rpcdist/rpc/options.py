@@ -42,6 +42,8 @@ class RpcBackendOptions:
         chunk_bytes: size of the pieces large payloads are streamed in.
         shm_threshold_bytes: buffers at least this large go to peers on the same host through
             shared memory (/dev/shm) instead of the stream; 0 turns that off.
+        transport: ``"auto"`` (gRPC between hosts, a Unix socket between workers of one host)
+            or ``"grpc"`` (gRPC streams for every peer).
         listen_host: interface this worker serves on (default: loopback when the store is on
             loopback, else all interfaces).
         advertise_host: address peers use to reach this worker (default: derived).
@@ -55,6 +57,7 @@ class RpcBackendOptions:
     max_payload_bytes: int = 16 << 30
     chunk_bytes: int = 1 << 20
     shm_threshold_bytes: int = 256 << 10
+    transport: str = "auto"
     listen_host: str | None = None
     advertise_host: str | None = None
     device_maps: dict[str, Any] | None = None
@@ -71,6 +74,8 @@ class RpcBackendOptions:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        if self.transport not in ("auto", "grpc"):
+            raise ValueError(f'transport must be "auto" or "grpc", not {self.transport!r}')
         if self.device_maps:
             raise ValueError("device_maps are not supported: rpcdist moves CPU tensors only")
 

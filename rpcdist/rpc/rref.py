@@ -26,12 +26,13 @@ import asyncio
 import itertools
 import logging
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from rpcdist import serialization
-from rpcdist.errors import RpcError
+from rpcdist.errors import RpcError, annotate_remote
 from rpcdist.futures import Future
 from rpcdist.rpc.options import WorkerInfo
 
@@ -67,13 +68,20 @@ class RRefContext:
     """One per agent: the owner table, the user RRefs of this process, and pending forks."""
 
     def __init__(self, agent: Any) -> None:
-        self.agent = agent
+        self._agent = weakref.ref(agent)  # the agent owns this context; no cycle
         self.owned: dict[RRefId, _OwnerEntry] = {}
         self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
         self.pending_children: dict[int, RRef[Any]] = {}
         self._lock = threading.Lock()  # users/pending_children are touched from any thread
         self._tokens = itertools.count(1)
         self._closed = False
+
+    @property
+    def agent(self) -> Any:
+        agent = self._agent()
+        if agent is None:
+            raise RpcError("RPC agent is gone (shut down)")
+        return agent
 
     # -- owner side (on the loop) ---------------------------------------------------------------
     def entry(self, rref_id: RRefId) -> _OwnerEntry:
@@ -294,8 +302,22 @@ class RRef(Generic[T]):
         """A Future of the value, copied from the owner (on the owner: the value itself);
         awaitable, or ``wait()`` on it."""
         agent = _agent()
+        created = self._confirmed
+        if created is not None and created.done() and created.exception() is not None:
+            failed: Future[T] = Future(loop=agent.loop)
+            failed.set_exception(created.exception())  # type: ignore[arg-type]
+            return failed
         if self._owner.id != agent.info.id:
-            return agent.submit(self._owner, _fetch, (self._id,), None, timeout, function_name="RRef.to_here")
+            fetch = agent.submit(
+                self._owner, _fetch, (self._id,), None, timeout, function_name="RRef.to_here"
+            )
+            if created is not None and not created.done():
+                # If the creating call fails before the owner runs it (the function cannot be
+                # imported there, say), the fetch would wait for a value that never comes.
+                created.add_done_callback(
+                    lambda c: c.exception() is not None and fetch._try_complete(None, c.exception())
+                )
+            return fetch
         result: Future[T] = Future(loop=agent.loop)
         rref_id = self._id
 
@@ -395,7 +417,8 @@ async def _create(rref_id: RRefId, creator: int, func: Callable[..., Any], args:
         value = await agent.run_user_function(func, args, kwargs)
     except BaseException as exc:
         if not entry.value.done():
-            entry.value.set_exception(exc)
+            text = "".join(traceback.format_exception(exc))
+            entry.value.set_exception(annotate_remote(exc, agent.info.name, _qualname(func), text))
         agent.rrefs.maybe_free(rref_id)
         raise
     if not entry.value.done():
@@ -422,6 +445,10 @@ async def _user_deleted(rref_id: RRefId, user: int) -> None:
     if entry is not None:
         entry.holders.discard(user)
         context.maybe_free(rref_id)
+
+
+def _qualname(func: Any) -> str:
+    return f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', repr(func))}"
 
 
 def create_remote(

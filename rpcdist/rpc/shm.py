@@ -97,3 +97,16 @@ def remove(names: Iterable[str]) -> None:
                 pass
             except OSError as exc:
                 log.debug("could not remove %s: %s", name, exc)
+
+
+def socket_path() -> str:
+    """A fresh path for this worker's Unix socket, next to the probe (same visibility)."""
+    return os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.sock")
+
+
+def remove_socket(path: str) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -255,9 +255,11 @@ class Assembly:
                     self.buffers.append(shm.adopt(name, size))
                 except (OSError, ValueError) as exc:
                     self.error = exc
-                    self.buffers.append(memoryview(b""))
+                    self.buffers.append(memoryview(bytearray()))
                 continue
-            view = memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if size else memoryview(b"")
+            view = (
+                memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if size else memoryview(bytearray())
+            )
             self.buffers.append(view)
             self._views.append(view)
         self._index = 0

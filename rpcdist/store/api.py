@@ -20,7 +20,14 @@ import asyncio
 from collections.abc import Iterable
 from datetime import timedelta
 
-from rpcdist._runtime import acquire_loop, blocking_twin, bound_twin, current_loop, release_loop
+from rpcdist._runtime import (
+    acquire_loop,
+    blocking_twin,
+    bound_twin,
+    call_blocking,
+    current_loop,
+    release_loop,
+)
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -150,8 +157,10 @@ class Store(abc.ABC):
             await self._close()
         else:
             await bound_twin(Store._close)(self)
-        if self._owns_loop:
+        if self._owns_loop and current_loop() is not self._loop:
             release_loop(self._loop)
+        # On its own loop thread the loop cannot stop itself here: close() releases it
+        # from the calling thread once this has run.
 
     # -- blocking twins, torch's names --------------------------------------------------------
     set = blocking_twin(set_async)
@@ -170,9 +179,9 @@ class Store(abc.ABC):
         if self._loop.is_closed():
             self._closed = True
             return
-        from rpcdist._runtime import call_blocking
-
         call_blocking(self._loop, self.close_async())
+        if self._owns_loop:
+            release_loop(self._loop)  # from this thread, so the loop thread is joined
 
     def __enter__(self) -> Store:
         return self

@@ -1,0 +1,1047 @@
+"""Scenarios run by the RPC test workers: ``scenario(rank, world_size, init_method, **params)``.
+
+Each runs in its own process (see ``_harness``): it joins the group, runs its checks
+(``with check("name"):``, recorded one by one for the tests to assert), and shuts down. Rank 0
+drives most checks; the other ranks serve until rank 0 releases them (see :func:`finish`).
+The test modules assert on the recorded checks and return values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import rpc_functions as rf
+import torch
+from _harness import check
+
+import rpcdist.rpc as rpc
+from rpcdist.errors import (
+    BlockingCallError,
+    MembershipError,
+    PayloadTooLargeError,
+    RemoteError,
+    RpcError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+    WorkerUnavailableError,
+)
+from rpcdist.rpc import api as rpc_api
+from rpcdist.v1 import agent_pb2
+
+CALL_TIMEOUT = 60.0
+SERVE_TIMEOUT = 200.0  # how long a serving rank waits for rank 0 to release it
+EXCHANGE_METHOD = "/rpcdist.v1.Agent/Exchange"
+
+
+# ============================================================================ helpers
+def options(init_method: str, **kwargs: Any) -> rpc.RpcBackendOptions:
+    kwargs.setdefault("store_timeout", 60.0)
+    return rpc.RpcBackendOptions(init_method=init_method, **kwargs)
+
+
+def init(rank: int, world_size: int, init_method: str, **opts: Any) -> None:
+    rpc.init_rpc(
+        f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options(init_method, **opts)
+    )
+
+
+def finish(rank: int, world_size: int) -> None:
+    """Shut down once every worker is done with its checks and no user function still sleeps.
+
+    Rank 0 waits for the others' "done", lets its own sleeping functions end, releases them;
+    each then lets its own sleeping functions end and shuts down (gracefully).
+    """
+    if rank == 0:
+        rf.wait_arrivals("done", world_size - 1, SERVE_TIMEOUT)
+        rf.wait_idle(30)
+        for other in range(1, world_size):
+            rpc.rpc_sync(other, rf.release, timeout=CALL_TIMEOUT)
+    else:
+        rpc.rpc_sync(0, rf.arrive, ("done",), timeout=CALL_TIMEOUT)
+        rf.wait_released(SERVE_TIMEOUT)
+        rf.wait_idle(30)
+    rpc.shutdown()
+
+
+async def finish_async(rank: int, world_size: int) -> None:
+    if rank == 0:
+        await rf.wait_arrivals_async("done", world_size - 1, SERVE_TIMEOUT)
+        await rf.wait_idle_async(30)
+        for other in range(1, world_size):
+            await rpc.rpc_async(other, rf.release, timeout=CALL_TIMEOUT)
+    else:
+        await rpc.rpc_async(0, rf.arrive, ("done",), timeout=CALL_TIMEOUT)
+        await rf.wait_released_async(SERVE_TIMEOUT)
+        await rf.wait_idle_async(30)
+    await rpc.shutdown_async()
+
+
+def full_text(exc: BaseException) -> str:
+    """An exception's message and notes."""
+    return "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+
+
+class raises:  # noqa: N801 - used as ``with raises(ValueError) as r:``
+    """Assert the block raises one of ``types`` (optionally with ``match`` in message/notes)."""
+
+    def __init__(self, *types: type[BaseException], match: str | None = None) -> None:
+        self.types = types
+        self.match = match
+        self.value: Any = None
+
+    def __enter__(self) -> raises:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        names = " or ".join(t.__name__ for t in self.types)
+        if exc is None:
+            raise AssertionError(f"expected {names}, nothing was raised")
+        if not isinstance(exc, self.types):
+            raise AssertionError(f"expected {names}, got {type(exc).__name__}: {exc}") from exc
+        self.value = exc
+        if self.match is not None and self.match not in full_text(exc):
+            raise AssertionError(f"{type(exc).__name__} does not mention {self.match!r}: {full_text(exc)}")
+        return True
+
+
+def assert_same(expected: Any, actual: Any, path: str = "value") -> None:
+    """Deep equality with exact types, dtypes and shapes."""
+    assert type(actual) is type(expected), (
+        f"{path}: got {type(actual).__name__}, sent {type(expected).__name__}"
+    )
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, (
+            f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        )
+        assert torch.equal(actual, expected.resolve_conj()), f"{path}: values differ:\n{actual}\n{expected}"
+    elif isinstance(expected, np.ndarray):
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        assert np.array_equal(actual, expected), f"{path}: values differ"
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_same(expected[key], actual[key], f"{path}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            assert_same(e, a, f"{path}[{i}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def each_way(to: Any, func: Any, *args: Any, timeout: float = CALL_TIMEOUT) -> list[tuple[str, Any]]:
+    """Thunks calling ``func(*args)`` on ``to`` by rpc_sync, rpc_async and remote()+to_here()."""
+    return [
+        ("rpc_sync", lambda: rpc.rpc_sync(to, func, args, timeout=timeout)),
+        ("rpc_async", lambda: rpc.rpc_async(to, func, args, timeout=timeout).wait()),
+        ("remote", lambda: rpc.remote(to, func, args, timeout=timeout).to_here(timeout)),
+    ]
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def python_threads() -> list[str]:
+    return [t.name for t in threading.enumerate()]
+
+
+def write_module(directory: Path, name: str, source: str) -> None:
+    """Create module ``name`` in ``directory`` and put the directory on *this* process's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.py").write_text(source)
+    sys.path.insert(0, str(directory))
+    importlib.invalidate_caches()
+
+
+# ============================================================================ rendezvous
+def rendezvous(rank: int, world_size: int, init_method: str, workdir: str) -> dict[str, Any]:
+    """Join, look every worker up, call every worker by name, rank and WorkerInfo, shut down."""
+    init(rank, world_size, init_method)
+    # First thing after init_rpc returns: calls whose callee must already know the group.
+    firsts = [rpc.rpc_async(r, rf.peer_names, (world_size,), timeout=CALL_TIMEOUT) for r in range(world_size)]
+    first_calls = []
+    for fut in firsts:
+        try:
+            first_calls.append(fut.wait())
+        except Exception as exc:  # noqa: BLE001 - reported in the result
+            first_calls.append(f"{type(exc).__name__}: {exc}")
+    me = rpc.get_worker_info()
+    seen = [[info.name, info.id] for info in (rpc.get_worker_info(f"w{r}") for r in range(world_size))]
+    everyone = [[info.name, info.id] for info in rpc.get_all_worker_infos()]
+    calls = {}
+    for r in range(world_size):
+        info = rpc.get_worker_info(f"w{r}")
+        calls[f"w{r}"] = [
+            rpc.rpc_sync(f"w{r}", rf.whoami, timeout=CALL_TIMEOUT),
+            rpc.rpc_sync(r, rf.whoami, timeout=CALL_TIMEOUT),
+            rpc.rpc_sync(info, rf.whoami, timeout=CALL_TIMEOUT),
+            rpc.rpc_async(info, rf.whoami, timeout=CALL_TIMEOUT).wait(),
+            rpc.remote(info, rf.whoami, timeout=CALL_TIMEOUT).to_here(CALL_TIMEOUT),
+        ]
+    rpc.shutdown()
+    return {"me": [me.name, me.id], "seen": seen, "all": everyone, "calls": calls, "first_calls": first_calls}
+
+
+# ============================================================================ membership errors
+def membership_member(rank: int, world_size: int, init_method: str, workdir: str) -> dict[str, Any]:
+    """A legitimate member of the group the intruders try to join."""
+    init(rank, world_size, init_method)
+    everyone = [[info.name, info.id] for info in rpc.get_all_worker_infos()]
+    ring = rpc.rpc_sync((rank + 1) % world_size, rf.whoami, timeout=CALL_TIMEOUT)
+    rpc.shutdown()
+    return {"all": everyone, "ring": ring}
+
+
+def membership_intruder(
+    rank: int, world_size: int, init_method: str, workdir: str, name: str
+) -> dict[str, Any]:
+    """Try to join as ``name`` with ``rank``/``world_size`` (the test starts it once the
+    group's first members are registered)."""
+    start = time.monotonic()
+    try:
+        opts = options(init_method, store_timeout=30)
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=opts)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return {
+            "joined": False,
+            "type": type(exc).__name__,
+            "is_membership_error": isinstance(exc, MembershipError),
+            "is_value_error": isinstance(exc, ValueError),
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    rpc.shutdown(graceful=False)  # it should not have got in; leave without a trace
+    return {"joined": True, "seconds": time.monotonic() - start}
+
+
+# ============================================================================ data: tensors, RRefs, futures
+DTYPES = [
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+TARGETS = ("w0", "w1")  # to self and to the other worker
+RREF_VIEW_TIMEOUT = 20.0  # rref_view takes milliseconds; a stuck one should not cost a minute
+
+
+def sample(dtype: torch.dtype) -> torch.Tensor:
+    base = torch.arange(24).reshape(4, 6)
+    if dtype == torch.bool:
+        return base % 3 == 0
+    if dtype.is_complex:
+        return torch.complex(base.float(), -base.float() / 2).to(dtype)
+    if dtype == torch.uint8:
+        return (base * 10).to(dtype)
+    return (base - 7).to(dtype)
+
+
+def non_contiguous_cases() -> dict[str, tuple[torch.Tensor, bool]]:
+    """name -> (tensor, whether its strides are expected to survive the trip)."""
+    complex_base = torch.complex(torch.arange(6.0), torch.arange(6.0) + 1)
+    return {
+        "transposed": (torch.arange(24, dtype=torch.float32).reshape(4, 6).T, True),
+        "step_slice": (torch.arange(60, dtype=torch.int64).reshape(6, 10)[::2, 1::3], False),
+        "expanded": (torch.tensor([1.5, -2.0, 3.25]).expand(4, 3), False),
+        "channels_last": (
+            torch.arange(120, dtype=torch.float64)
+            .reshape(2, 3, 4, 5)
+            .contiguous(memory_format=torch.channels_last),
+            True,
+        ),
+        "offset_view": (torch.arange(30, dtype=torch.int32)[7:19], True),
+        "conj_view": (complex_base.conj(), False),
+    }
+
+
+def data(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    """Everything about what travels and the calling API (rank 0 drives)."""
+    init(rank, world_size, init_method, **opts)
+    if rank == 0:
+        _transport_checks()
+        _api_checks()
+    finish(rank, world_size)
+
+
+def data_transport(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    """Only the transport checks (the test runs it with shared memory turned off)."""
+    init(rank, world_size, init_method, **opts)
+    if rank == 0:
+        _transport_checks()
+    finish(rank, world_size)
+
+
+def _transport_checks() -> None:  # noqa: C901 - a list of independent checks
+    for dtype in DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        with check(f"dtype/{name}"):
+            x = sample(dtype)
+            pristine = x.clone()
+            for to in TARGETS:
+                for how, call in each_way(to, rf.echo, x):
+                    y = call()
+                    assert_same(x, y, f"{how} to {to}")
+                    assert y.stride() == x.stride(), f"{how} to {to}: strides {y.stride()} != {x.stride()}"
+                seen = rpc.rpc_sync(to, rf.describe_tensor, (x,), timeout=CALL_TIMEOUT)
+                want = {
+                    "dtype": str(dtype),
+                    "shape": [4, 6],
+                    "stride": [6, 1],
+                    "contiguous": True,
+                    "type": "Tensor",
+                }
+                assert seen == want, f"callee {to} saw {seen}"
+                # The callee writes into what it received; so does the caller into the result.
+                mutated = rpc.rpc_sync(to, rf.mutate_and_return, (x,), timeout=CALL_TIMEOUT)
+                assert_same(rf.mutate_and_return(x.clone()), mutated, f"mutated by {to}")
+                rf.mutate_and_return(mutated)
+                assert_same(rf.mutate_and_return(rf.mutate_and_return(x.clone())), mutated, "mutated here")
+            assert_same(pristine, x, "the caller's own tensor after the calls")
+
+    for name, (x, keeps_strides) in non_contiguous_cases().items():
+        with check(f"noncontig/{name}"):
+            for to in TARGETS:
+                for how, call in each_way(to, rf.echo, x):
+                    y = call()
+                    assert_same(x, y, f"{how} to {to}")
+                    if keeps_strides:
+                        assert y.stride() == x.stride(), (
+                            f"{how} to {to}: strides {y.stride()} != {x.stride()}"
+                        )
+                    y.add_(1)  # the received tensor owns writable, non-overlapping memory
+                    assert torch.equal(y, x.resolve_conj() + 1), f"{how} to {to}: in-place add went wrong"
+                seen = rpc.rpc_sync(to, rf.describe_tensor, (x,), timeout=CALL_TIMEOUT)
+                assert seen["shape"] == list(x.shape), seen
+                if keeps_strides:
+                    assert seen["stride"] == list(x.stride()), seen
+
+    with check("nested"):
+        x = {
+            "pairs": [
+                (
+                    torch.arange(6, dtype=torch.float32).reshape(2, 3),
+                    np.arange(6, dtype=np.int64).reshape(2, 3),
+                ),
+                (
+                    torch.ones(2, 2, dtype=torch.bfloat16) * 3,
+                    np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4).T,
+                ),
+            ],
+            "deep": {
+                "more": [(np.arange(30, dtype=np.int16)[::4], torch.arange(10)[::3]), ()],
+                "flag": (torch.tensor(True), np.array([1 + 2j], dtype=np.complex64)),
+            },
+            "meta": ("text", 3, 2.5, None),
+        }
+        for to in TARGETS:
+            for how, call in each_way(to, rf.echo, x):
+                y = call()
+                assert_same(x, y, f"{how} to {to}")
+                y["pairs"][0][1][0, 0] = 99  # received arrays are writable
+                y["pairs"][0][0].mul_(2)
+            assert rpc.rpc_sync(to, rf.structure, (x,), timeout=CALL_TIMEOUT) == rf.structure(x)
+
+    with check("zero_bytes/tensors"):
+        x = [
+            torch.empty(0),
+            torch.zeros(0, 3, dtype=torch.int64),
+            torch.ones(3),
+            torch.empty(2, 0, dtype=torch.bool),
+            torch.arange(5),
+            torch.empty(0, dtype=torch.complex64),
+        ]
+        for to in TARGETS:
+            for how, call in each_way(to, rf.echo, x):
+                y = call()
+                assert_same(x, y, f"{how} to {to}")
+                y[0].add_(1)
+                y[1].add_(1)
+            alone = rpc.rpc_sync(to, rf.echo, (torch.empty(0, dtype=torch.float64),), timeout=CALL_TIMEOUT)
+            assert_same(torch.empty(0, dtype=torch.float64), alone, f"a lone 0-byte tensor to {to}")
+            assert rpc.rpc_sync(to, rf.payload_size, (torch.empty(0),), timeout=CALL_TIMEOUT) == 0
+
+    with check("zero_bytes/numpy"):
+        x = [np.zeros((0, 3)), np.arange(4.0), np.zeros(0, dtype=np.int8)]
+        for to in TARGETS:
+            y = rpc.rpc_sync(to, rf.echo, (x,), timeout=CALL_TIMEOUT)
+            assert_same(x, y, f"to {to}")
+            for i, arr in enumerate(y):
+                assert arr.flags.writeable, f"received array {i} {arr!r} is read-only"
+                arr += 1
+
+    with check("chunked_buffers"):
+        # Several buffers, some empty, crossing 1 MiB chunk boundaries at odd offsets.
+        x = [
+            torch.empty(0),
+            torch.arange(3 << 18, dtype=torch.int32),
+            torch.empty(0, dtype=torch.uint8),
+            torch.arange(10, dtype=torch.float64),
+            np.arange((1 << 18) + 3, dtype=np.int64),
+            torch.arange(5, dtype=torch.int16),
+        ]
+        for to in TARGETS:
+            for how, call in each_way(to, rf.echo, x):
+                assert_same(x, call(), f"{how} to {to}")
+
+    with check("large_256mib"):
+        n = (256 << 20) // 4
+        x = torch.arange(n, dtype=torch.int32)
+        ok, y = rpc.rpc_sync("w1", rf.verify_arange_and_echo, (x,), timeout=180)
+        assert ok, "the callee did not receive exactly the 256 MiB that were sent"
+        assert y.dtype == torch.int32 and y.shape == x.shape, (y.dtype, y.shape)
+        assert torch.equal(x, y), "the 256 MiB tensor came back different"
+        del x, y
+
+
+def _api_checks() -> None:  # noqa: C901 - a list of independent checks
+    with check("concurrency_1000"):
+        n = 1000
+        futures = [
+            rpc.rpc_async(
+                "w1", rf.gather_point, ("c1000", n, i, torch.full((3,), float(i)), 60.0), timeout=120
+            )
+            for i in range(n)
+        ]
+        results = [f.wait() for f in futures]
+        for i, (index, tensor) in enumerate(results):
+            assert index == i, f"result {i} belongs to call {index}"
+            assert torch.equal(tensor, torch.full((3,), 2.0 * i)), f"result {i}: {tensor}"
+
+    with check("worker_info"):
+        me = rpc.get_worker_info()
+        assert (me.name, me.id) == ("w0", 0), me
+        w1 = rpc.get_worker_info("w1")
+        assert (w1.name, w1.id) == ("w1", 1), w1
+        assert [(i.name, i.id) for i in rpc.get_all_worker_infos()] == [("w0", 0), ("w1", 1)]
+        for to in (w1, rpc.WorkerInfo("w1", 1), 1, "w1"):
+            assert rpc.rpc_sync(to, rf.whoami, timeout=CALL_TIMEOUT) == "w1", to
+            assert rpc.rpc_async(to, rf.whoami, timeout=CALL_TIMEOUT).wait() == "w1", to
+            rref = rpc.remote(to, rf.whoami, timeout=CALL_TIMEOUT)
+            assert rref.to_here() == "w1" and rref.owner() == w1, to
+        assert rpc.rpc_sync(me, rf.whoami, timeout=CALL_TIMEOUT) == "w0"
+
+    with check("rref/to_here"):
+        rref = rpc.remote("w1", rf.add, (torch.ones(2), 3))
+        assert torch.equal(rref.to_here(), torch.full((2,), 4.0))
+        assert torch.equal(rref.to_here(), torch.full((2,), 4.0)), "a second to_here()"
+        counter = rpc.remote("w1", rf.make_counter, (5,)).to_here()
+        assert isinstance(counter, rf.Counter) and counter.get() == 5
+        assert rpc.remote("w0", rf.add, (1, 2)).to_here() == 3
+
+    with check("rref/ownership"):
+        theirs = rpc.remote("w1", rf.make_counter, (5,))
+        assert theirs.owner() == rpc.get_worker_info("w1")
+        assert theirs.owner_name() == "w1"
+        assert theirs.is_owner() is False
+        mine = rpc.remote("w0", rf.make_counter, (6,))
+        assert mine.owner() == rpc.get_worker_info("w0") and mine.owner_name() == "w0"
+        assert mine.is_owner() is True
+        view = rpc.rpc_sync("w1", rf.rref_view, (theirs,), timeout=RREF_VIEW_TIMEOUT)
+        assert view["is_owner"] is True and view["owner_name"] == "w1", view
+
+    with check("rref/local_value_owner"):
+        mine = rpc.remote("w0", rf.make_counter, (6,))
+        value = mine.local_value()
+        assert isinstance(value, rf.Counter) and value.get() == 6
+        value.increment(4)
+        assert mine.local_value() is value, "local_value() must return the owner's object itself"
+        assert mine.to_here().get() == 10
+        local = rpc.RRef(rf.Counter(11))
+        assert local.is_owner() and local.owner() == rpc.get_worker_info()
+        assert local.local_value().get() == 11
+        theirs = rpc.remote("w1", rf.make_counter, (5,))
+        view = rpc.rpc_sync("w1", rf.rref_view, (theirs,), timeout=RREF_VIEW_TIMEOUT)  # local_value() on w1
+        assert view["local_value"] == 5, view
+
+    with check("rref/local_value_non_owner"):
+        theirs = rpc.remote("w1", rf.make_counter, (5,))
+        theirs.to_here()
+        with raises(RpcError):
+            theirs.local_value()
+        local = rpc.RRef(rf.Counter(11))
+        view = rpc.rpc_sync("w1", rf.rref_view, (local,), timeout=RREF_VIEW_TIMEOUT)
+        assert view["is_owner"] is False and view["owner_name"] == "w0", view
+        assert view["local_value_error"] == "RpcError", view
+        assert view["to_here"] == 11, view
+
+    with check("rref/proxies"):
+        rref = rpc.remote("w1", rf.make_counter, (0,))
+        assert rref.rpc_sync().increment(2) == 2
+        assert rref.rpc_async().increment(3).wait() == 5
+        assert rref.remote().get().to_here() == 5
+        with raises(rf.CustomError, match="proxy boom"):
+            rref.rpc_sync().fail("proxy boom")
+
+    for to in TARGETS:  # owned by the other worker, and by this one
+        with check(f"rref/raises/{to}"):
+            with raises(ValueError, match="remote boom") as r:
+                rpc.remote(to, rf.raise_value_error, ("remote boom",)).to_here(CALL_TIMEOUT)
+            assert type(r.value) is ValueError
+            assert r.value.remote_worker == to, getattr(r.value, "remote_worker", "no remote_worker")
+            assert "raise_value_error" in r.value.remote_traceback
+            with raises(rf.CustomError) as r:
+                rpc.remote(to, rf.raise_custom, ("custom boom", 3)).to_here(CALL_TIMEOUT)
+            assert r.value.code == 3 and r.value.message == "custom boom"
+
+    with check("future/api"):
+        fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.5,), timeout=CALL_TIMEOUT)
+        assert not fut.done(), "a 0.5 s call reported done as soon as it was issued"
+        seen: list[Any] = []
+        called = threading.Event()
+        fut.add_done_callback(lambda f: (seen.append(f.value()), called.set()))
+        chained = fut.then(lambda f: f.value() * 4)
+        assert chained.wait() == 2.0
+        assert called.wait(30) and seen == [0.5], seen
+        assert fut.done() and fut.value() == 0.5 and fut.wait() == 0.5
+        late: list[Any] = []
+        fut.add_done_callback(lambda f: late.append(f.value()))
+        assert late == [0.5], "a callback added to a completed future must run at once"
+        assert fut.then(lambda f: f.value() + 1).then(lambda f: f.value() * 10).wait() == 15.0
+
+    with check("future/errors"):
+        bad = rpc.rpc_async("w1", rf.raise_value_error, ("future boom",), timeout=CALL_TIMEOUT)
+        chained = bad.then(lambda f: f.value())
+        with raises(ValueError, match="future boom"):
+            chained.wait()
+        with raises(ValueError, match="future boom"):
+            bad.wait()
+        with raises(ValueError, match="future boom"):
+            bad.value()
+        failing_callback = rpc.rpc_async("w1", rf.add, (1, 2), timeout=CALL_TIMEOUT).then(lambda f: 1 / 0)
+        with raises(ZeroDivisionError):
+            failing_callback.wait()
+
+    with check("future/await_other_loop"):
+        fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.3,), timeout=CALL_TIMEOUT)
+        out: dict[str, Any] = {}
+
+        def other_thread() -> None:
+            async def main() -> tuple[Any, Any]:
+                first = await fut  # made on the main thread, awaited on this thread's own loop
+                second = await rpc.rpc_async("w1", rf.async_add, (5, 6), timeout=CALL_TIMEOUT)
+                return first, second
+
+            try:
+                out["value"] = asyncio.run(main())
+                out["sync"] = rpc.rpc_sync("w1", rf.add, (1, 2), timeout=CALL_TIMEOUT)  # plain thread
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                out["error"] = exc
+
+        thread = threading.Thread(target=other_thread, name="test-other-loop")
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "awaiting from another event loop hung"
+        if "error" in out:
+            raise out["error"]
+        assert out["value"] == (0.3, 11) and out["sync"] == 3, out
+
+    with check("callee_loop/sync_mode"):
+        for to in TARGETS:
+            where = rpc.rpc_sync(to, rf.where_async_runs, timeout=CALL_TIMEOUT)
+            assert where == {"thread": "rpcdist-loop", "on_agent_loop": True}, (to, where)
+            blocking = rpc.rpc_sync(to, rf.where_blocking_runs, timeout=CALL_TIMEOUT)
+            assert blocking["thread"].startswith(f"rpcdist-{to}"), (to, blocking)
+            assert not blocking["on_agent_loop"], (to, blocking)
+
+    with check("blocking_does_not_stall/sync_mode"):
+        # Leave a few idle pool threads on w1, then send a burst: six blocking calls and three
+        # fast ones. The pool (16 threads) has room for all nine at once.
+        for warm in [rpc.rpc_async("w1", rf.sleep_blocking, (0.3,)) for _ in range(4)]:
+            warm.wait()
+        slow = [rpc.rpc_async("w1", rf.sleep_blocking, (2.0,), timeout=CALL_TIMEOUT) for _ in range(6)]
+        fast = [rpc.rpc_async("w1", rf.add, (i, 1), timeout=CALL_TIMEOUT) for i in range(3)]
+        assert [f.wait() for f in fast] == [1, 2, 3]
+        running = [not s.done() for s in slow]
+        assert all(running), f"fast calls waited for blocking ones (still running: {running})"
+        assert [s.wait() for s in slow] == [2.0] * 6
+
+    with check("async_execution/sync_mode"):
+        assert rpc.rpc_sync("w1", rf.chained_add, ("w0", 3, 4), timeout=CALL_TIMEOUT) == 14
+        assert rpc.rpc_sync("w1", rf.chained_add, ("w1", 1, 1), timeout=CALL_TIMEOUT) == 4
+        assert rpc.rpc_async("w0", rf.chained_add, ("w1", 2, 2), timeout=CALL_TIMEOUT).wait() == 8
+        assert rpc.remote("w1", rf.chained_add, ("w0", 1, 2), timeout=CALL_TIMEOUT).to_here() == 6
+        with raises(ValueError, match="nested boom"):
+            rpc.rpc_sync("w1", rf.chained_failure, ("w0", "nested boom"), timeout=CALL_TIMEOUT)
+
+
+# ============================================================================ errors, timeouts, bad input
+CALLEE_ONLY_SOURCE = '''
+class CalleeOnlyError(Exception):
+    """Only the callee can import this class."""
+'''
+CALLER_ONLY_SOURCE = """
+def secret(x):
+    return x
+"""
+
+
+def errors(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    if rank == 1:
+        write_module(Path(workdir) / "rank1_only", rf.CALLEE_ONLY_MODULE, CALLEE_ONLY_SOURCE)
+    if rank == 0:
+        write_module(Path(workdir) / "rank0_only", rf.CALLER_ONLY_MODULE, CALLER_ONLY_SOURCE)
+    init(rank, world_size, init_method, **opts)
+    if rank == 0:
+        _error_checks_rank0()
+    else:
+        _error_checks_rank1()
+    finish(rank, world_size)
+
+
+def _remote_error_details(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "remote_worker": getattr(exc, "remote_worker", None),
+        "remote_function": getattr(exc, "remote_function", None),
+    }
+
+
+async def _raw_exchange(address: str, frame: bytes, timeout: float = 20.0) -> tuple[str, str]:
+    """Send ``frame`` raw on a fresh Exchange stream; returns the final status code and details."""
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        call = channel.stream_stream(EXCHANGE_METHOD, request_serializer=None, response_deserializer=None)()
+
+        async def talk() -> tuple[str, str]:
+            with contextlib.suppress(Exception):
+                await call.write(frame)
+                await call.done_writing()
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return (await call.code()).name, await call.details()
+
+        return await asyncio.wait_for(talk(), timeout)
+    finally:
+        await channel.close()
+
+
+def _on_agent_loop(coro: Any, timeout: float = 30.0) -> Any:
+    agent = rpc_api._agent
+    assert agent is not None
+    return asyncio.run_coroutine_threadsafe(coro, agent.loop).result(timeout)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _error_checks_rank0() -> None:  # noqa: C901 - a list of independent checks
+    # (remote() to this worker itself, whose to_here() does not cross the wire, is checked
+    # separately by rref/raises/w0.)
+    with check("exc/value_error"):
+        for to in TARGETS:
+            for how, call in each_way(to, rf.raise_value_error, "boom 42"):
+                if how == "remote" and to == "w0":
+                    continue
+                where = f"{how} to {to}"
+                with raises(ValueError, match="boom 42") as r:
+                    call()
+                exc = r.value
+                assert type(exc) is ValueError, f"{where}: {type(exc)}"
+                assert getattr(exc, "remote_worker", None) == to, f"{where}: {vars(exc)}"
+                assert "raise_value_error" in exc.remote_traceback, f"{where}: {exc.remote_traceback}"
+                assert "raise_value_error" in full_text(exc), f"{where}: the note lacks the remote traceback"
+                if how != "remote":
+                    assert exc.remote_function == "rpc_functions.raise_value_error", exc.remote_function
+
+    with check("exc/custom"):
+        for to in TARGETS:
+            for how, call in each_way(to, rf.raise_custom, "custom boom", 3):
+                if how == "remote" and to == "w0":
+                    continue
+                where = f"{how} to {to}"
+                with raises(rf.CustomError) as r:
+                    call()
+                exc = r.value
+                assert type(exc) is rf.CustomError, f"{where}: {type(exc)}"
+                assert (exc.message, exc.code) == ("custom boom", 3), f"{where}: {exc.args}"
+                assert "raise_custom" in getattr(exc, "remote_traceback", ""), f"{where}: {vars(exc)}"
+
+    with check("exc/async_function"):
+        with raises(ValueError, match="async boom") as r:
+            rpc.rpc_sync("w1", rf.async_raise_value_error, ("async boom",), timeout=CALL_TIMEOUT)
+        assert "async_raise_value_error" in r.value.remote_traceback
+
+    for name, func, args, message, remote_type in [
+        ("exc/unrebuildable", rf.raise_unrebuildable, ("left", "right"), "left/right", "UnrebuildableError"),
+        ("exc/unpicklable", rf.raise_lock_holding, ("lock boom",), "lock boom", "LockHoldingError"),
+        (
+            "exc/callee_only_type",
+            rf.raise_callee_only,
+            ("callee only boom",),
+            "callee only boom",
+            "CalleeOnlyError",
+        ),
+    ]:
+        with check(name) as c:
+            with raises(RemoteError) as r:
+                rpc.rpc_sync("w1", func, args, timeout=CALL_TIMEOUT)
+            exc = r.value
+            c.value = _remote_error_details(exc)
+            assert message in str(exc), f"the RemoteError lost the message {message!r}: {exc}"
+            assert exc.remote_type.endswith(remote_type), f"remote_type={exc.remote_type!r}"
+            assert func.__name__ in exc.remote_traceback, f"remote_traceback={exc.remote_traceback!r}"
+            assert getattr(exc, "remote_worker", None) == "w1", c.value
+
+    with check("timeout/explicit"):
+        with raises(RpcTimeoutError) as r:
+            rpc.rpc_sync("w1", rf.sleep_blocking, (2.0,), timeout=0.5)
+        assert isinstance(r.value, TimeoutError)
+        with raises(RpcTimeoutError):
+            rpc.rpc_async("w1", rf.sleep_blocking, (2.0,), timeout=0.5).wait()
+        with raises(RpcTimeoutError):
+            rpc.remote("w1", rf.sleep_blocking, (2.0,), timeout=0.5).to_here(0.5)
+        with raises(RpcTimeoutError):
+            rpc.rpc_sync("w1", rf.async_sleep_recorded, ("t-explicit", 5.0), timeout=0.5)
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
+
+    with check("timeout/async_cancelled") as c:
+        for to in TARGETS:
+            key = f"cancel-me-{to}"
+            with raises(RpcTimeoutError):
+                rpc.rpc_sync(to, rf.async_sleep_recorded, (key, 30.0), timeout=0.5)
+            wait_until(
+                lambda to=to, key=key: (
+                    rpc.rpc_sync(to, rf.get_state, (key,), timeout=CALL_TIMEOUT) != ["started"]
+                ),
+                15,
+                f"the timed-out call on {to} to end",
+            )
+            state = rpc.rpc_sync(to, rf.get_state, (key,), timeout=CALL_TIMEOUT)
+            assert state == ["started", "cancelled"], f"on {to}: {state}"
+        c.value = state
+
+    with check("bad/unknown_worker"):
+        for to in ("nobody", 7, -1, rpc.WorkerInfo("w1", 5), rpc.WorkerInfo("ghost", 1)):
+            for api_fn in (rpc.rpc_async, rpc.rpc_sync, rpc.remote):
+                with raises(UnknownWorkerError) as r:
+                    api_fn(to, rf.count_call, ("unknown",))  # raised at once: no Future, nothing sent
+                assert isinstance(r.value, ValueError)
+        with raises(UnknownWorkerError, match="nobody"):
+            rpc.rpc_async("nobody", rf.count_call, ("unknown",))
+        with raises(UnknownWorkerError):
+            rpc.get_worker_info("nobody")
+        assert rpc.rpc_sync("w1", rf.get_count, ("unknown",), timeout=CALL_TIMEOUT) == 0
+        assert rf.get_count("unknown") == 0
+
+    with check("bad/lambda_and_local_function"):
+
+        def local_function() -> int:
+            return 1
+
+        for func, word in ((lambda: 1, "lambda"), (local_function, "local")):
+            for api_fn in (rpc.rpc_async, rpc.rpc_sync, rpc.remote):
+                with raises(SerializationError, match=word) as r:
+                    api_fn("w1", func)  # raised at once, before anything is sent
+                assert isinstance(r.value, TypeError)
+
+    with check("bad/unpicklable_args"):
+        lock = threading.Lock()
+        for api_fn in (rpc.rpc_async, rpc.rpc_sync, rpc.remote):
+            with raises(SerializationError, match="lock") as r:
+                api_fn("w1", rf.count_call, ("lock-arg", lock))
+            assert isinstance(r.value, TypeError)
+            with raises(SerializationError):
+                api_fn("w1", rf.count_call, ("lock-kwarg",), {"lock": lock})
+        assert rpc.rpc_sync("w1", rf.get_count, ("lock-arg",), timeout=CALL_TIMEOUT) == 0
+        assert rpc.rpc_sync("w1", rf.get_count, ("lock-kwarg",), timeout=CALL_TIMEOUT) == 0
+
+    with check("bad/unpicklable_result"):
+        for to in TARGETS:
+            with raises(SerializationError):
+                rpc.rpc_sync(to, rf.return_lock, timeout=CALL_TIMEOUT)
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
+
+    secret = importlib.import_module(rf.CALLER_ONLY_MODULE).secret
+    qualified = f"{rf.CALLER_ONLY_MODULE}.secret"
+
+    with check("bad/unimportable_function") as c:
+        assert secret(2) == 2  # importable here, and only here
+        for how, call in each_way("w1", secret, 5)[:2]:
+            with raises(Exception) as r:  # noqa: B017 - the type is the callee's import error
+                call()
+            assert not isinstance(r.value, RpcTimeoutError), f"{how}: timed out instead of failing"
+            assert qualified in full_text(r.value), (
+                f"{how}: the error does not name {qualified}: {full_text(r.value)}"
+            )
+            c.value = _remote_error_details(r.value)
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
+
+    with check("bad/unimportable_function_remote"):
+        rref = rpc.remote("w1", secret, (5,))
+        with raises(Exception) as r:  # noqa: B017 - the type is the callee's import error
+            rref.to_here(10)
+        assert not isinstance(r.value, RpcTimeoutError), (
+            "to_here() timed out: the failure of the remote() call itself never reached it"
+        )
+        assert qualified in full_text(r.value), full_text(r.value)
+
+    with check("bad/payload_result_too_large"):
+        with raises(PayloadTooLargeError, match="max_payload_bytes") as r:
+            rpc.rpc_sync("w1", rf.make_bytes, (2 << 20,), timeout=CALL_TIMEOUT)
+        assert "1048576" in str(r.value) and isinstance(r.value, ValueError), str(r.value)
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
+
+    with check("bad/payload_incoming_too_large"):
+        big = torch.zeros(2 << 20, dtype=torch.uint8)
+        with raises(PayloadTooLargeError, match="max_payload_bytes"):
+            rpc.rpc_sync("w1", rf.payload_size, (big,), timeout=CALL_TIMEOUT)
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
+
+    agent = rpc_api._agent
+    assert agent is not None
+    address = agent.addresses[1]
+
+    with check("bad/malformed_frames") as c:
+        unknown_chunk = agent_pb2.Frame(
+            envelopes=[agent_pb2.Envelope(call_id=12345, kind=agent_pb2.CHUNK, data=b"xyz")]
+        ).SerializeToString()
+        frames = {
+            "garbage": b"\xff\xff\xff",
+            "truncated_envelope": b"\x0a\x20\x08\x01\x10",
+            "truncated_large_frame": b"\x0a" + _varint(200_000) + b"\x08" * 70_000,
+            "chunk_of_unknown_message": unknown_chunk,
+        }
+        outcomes = {}
+        for name, frame in frames.items():
+            outcomes[name] = _on_agent_loop(_raw_exchange(address, frame))
+            assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1", (
+                f"w1 stopped serving after {name}"
+            )
+        c.value = outcomes
+        wrong = {name: got for name, got in outcomes.items() if got[0] != "INVALID_ARGUMENT"}
+        assert not wrong, f"expected INVALID_ARGUMENT, got {wrong}"
+        assert rpc.rpc_sync("w1", rf.add, (torch.ones(2), 1), timeout=CALL_TIMEOUT).tolist() == [2.0, 2.0]
+
+    with check("bad/frame_announcing_huge_buffer") as c:
+        header = agent_pb2.Envelope(
+            call_id=1, kind=agent_pb2.REQUEST, payload=b"x", buffer_sizes=[1 << 40], function="f"
+        )
+        frame = agent_pb2.Frame(envelopes=[header]).SerializeToString()
+        c.value = _on_agent_loop(_raw_exchange(address, frame))
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
+        # Refused before any allocation (the message never completes, so OK is acceptable);
+        # UNKNOWN/INTERNAL would mean an exception escaped the stream handler.
+        assert c.value[0] in ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"), c.value
+
+
+def _error_checks_rank1() -> None:
+    """Rank 1 runs with rpc_timeout=2 and max_payload_bytes=1 MiB (see test_rpc_errors)."""
+    with check("timeout/default") as c:
+        assert rpc_api._agent is not None and rpc_api._agent.options.rpc_timeout == 2.0
+        with raises(RpcTimeoutError):
+            rpc.rpc_sync("w0", rf.sleep_blocking, (4.0,))
+        with raises(RpcTimeoutError):
+            rpc.rpc_async("w0", rf.sleep_blocking, (4.0,)).wait()
+        with raises(RpcTimeoutError):
+            rpc.remote("w0", rf.sleep_blocking, (4.0,)).to_here()
+        with raises(RpcTimeoutError) as r:
+            rpc.rpc_sync("w0", rf.async_sleep_recorded, ("default-timeout", 30.0))
+        c.value = str(r.value)
+        wait_until(
+            lambda: rpc.rpc_sync("w0", rf.get_state, ("default-timeout",)) != ["started"],
+            15,
+            "the cancellation",
+        )
+        assert rpc.rpc_sync("w0", rf.get_state, ("default-timeout",)) == ["started", "cancelled"]
+
+    with check("timeout/zero_means_none"):
+        assert rpc.rpc_sync("w0", rf.sleep_blocking, (3.0,), timeout=0) == 3.0
+        assert (
+            rpc.rpc_async("w0", rf.async_sleep_recorded, ("no-timeout", 3.0), timeout=0).wait() == "completed"
+        )
+        assert rpc.rpc_sync("w0", rf.sleep_blocking, (3.0,), timeout=10) == 3.0
+
+    with check("bad/payload_caller") as c:
+        big = torch.zeros(2 << 20, dtype=torch.uint8)
+        for api_fn in (rpc.rpc_async, rpc.rpc_sync, rpc.remote):
+            with raises(PayloadTooLargeError, match="max_payload_bytes") as r:
+                api_fn("w0", rf.count_call, ("too-big", big))  # raised at once, nothing sent
+            assert isinstance(r.value, ValueError)
+            assert "1048576" in str(r.value), str(r.value)
+        c.value = str(r.value)
+        assert rpc.rpc_sync("w0", rf.get_count, ("too-big",)) == 0
+        small = torch.zeros(512 << 10, dtype=torch.uint8)
+        assert rpc.rpc_sync("w0", rf.payload_size, (small,)) == 512 << 10
+
+
+# ============================================================================ asyncio-native workers
+def _loop_threads() -> list[str]:
+    return [name for name in python_threads() if name == "rpcdist-loop"]
+
+
+async def asyncio_native(rank: int, world_size: int, init_method: str, workdir: str) -> dict[str, Any]:
+    await rpc.init_rpc_async(
+        f"w{rank}", rank=rank, world_size=world_size, rpc_backend_options=options(init_method)
+    )
+    with check(f"asyncio/no_loop_thread/{rank}"):
+        assert _loop_threads() == [], python_threads()
+        assert rpc_api._agent is not None and rpc_api._agent.loop is asyncio.get_running_loop()
+    if rank == 0:
+        await _asyncio_checks()
+    await finish_async(rank, world_size)
+    with check(f"asyncio/after_shutdown/{rank}"):
+        left = [name for name in python_threads() if name.startswith("rpcdist")]
+        assert left == [], f"rpcdist threads alive after shutdown_async(): {left}"
+    return {"threads_before_exit": python_threads()}
+
+
+async def _asyncio_checks() -> None:  # noqa: C901 - a list of independent checks
+    with check("asyncio/callee_loop"):
+        for to in TARGETS:
+            where = await rpc.rpc_async(to, rf.where_async_runs, timeout=CALL_TIMEOUT)
+            assert where == {"thread": "MainThread", "on_agent_loop": True}, (to, where)
+            blocking = await rpc.rpc_async(to, rf.where_blocking_runs, timeout=CALL_TIMEOUT)
+            assert blocking["thread"].startswith(f"rpcdist-{to}") and not blocking["on_agent_loop"], blocking
+
+    with check("asyncio/many_sequential"):
+        for i in range(1500):
+            func = rf.add if i % 2 else rf.async_add
+            result = await rpc.rpc_async("w1", func, (i, 1), timeout=CALL_TIMEOUT)
+            assert result == i + 1, (i, result)
+        assert _loop_threads() == []
+
+    with check("asyncio/many_gathered"):
+        futures = [
+            rpc.rpc_async("w1", rf.add if i % 2 else rf.async_add, (i, 2), timeout=CALL_TIMEOUT)
+            for i in range(1500)
+        ]
+        results = await asyncio.gather(*futures)
+        assert results == [i + 2 for i in range(1500)]
+        assert _loop_threads() == []
+
+    with check("asyncio/blocking_does_not_stall"):
+        slow = rpc.rpc_async("w1", rf.sleep_blocking, (2.0,), timeout=CALL_TIMEOUT)
+        for i in range(20):
+            assert await rpc.rpc_async("w1", rf.add, (i, i), timeout=CALL_TIMEOUT) == 2 * i
+        assert await rpc.rpc_async("w1", rf.async_add, (1, 1), timeout=CALL_TIMEOUT) == 2
+        assert not slow.done(), "the fast calls to w1 finished only after its 2 s blocking call"
+        assert await slow == 2.0
+
+    with check("asyncio/async_execution"):
+        assert await rpc.rpc_async("w1", rf.chained_add, ("w0", 3, 4), timeout=CALL_TIMEOUT) == 14
+        assert await rpc.rpc_async("w0", rf.chained_add, ("w1", 1, 2), timeout=CALL_TIMEOUT) == 6
+        with raises(ValueError, match="nested boom"):
+            await rpc.rpc_async("w1", rf.chained_failure, ("w0", "nested boom"), timeout=CALL_TIMEOUT)
+
+    with check("asyncio/future_api"):
+        fut = rpc.rpc_async("w1", rf.async_add, (20, 22), timeout=CALL_TIMEOUT)
+        assert not fut.done(), "done before this loop could even read the reply"
+        called: list[Any] = []
+        fut.add_done_callback(lambda f: called.append(f.value()))
+        chained = fut.then(lambda f: f.value() + 1)
+        assert await chained == 43
+        assert fut.done() and fut.value() == 42 and fut.wait() == 42 and called == [42], called
+        assert await fut == 42, "awaiting a completed future again"
+        pending = rpc.rpc_async("w1", rf.sleep_blocking, (0.5,), timeout=CALL_TIMEOUT)
+        with raises(BlockingCallError):
+            pending.wait()  # would block the loop that must deliver the reply
+        assert await pending == 0.5
+
+    with check("asyncio/await_other_loop"):
+        fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.3,), timeout=CALL_TIMEOUT)
+
+        def other_thread() -> tuple[Any, Any]:
+            async def main() -> tuple[Any, Any]:
+                first = await fut  # made on the main loop, awaited on this thread's own loop
+                second = await rpc.rpc_async("w1", rf.async_add, (5, 6), timeout=CALL_TIMEOUT)
+                return first, second
+
+            return asyncio.run(main())
+
+        assert await asyncio.wait_for(asyncio.to_thread(other_thread), 60) == (0.3, 11)
+
+    with check("asyncio/plain_thread_blocking"):
+        assert await asyncio.to_thread(rpc.rpc_sync, "w1", rf.add, (1, 2), None, CALL_TIMEOUT) == 3
+        fut = rpc.rpc_async("w1", rf.add, (2, 2), timeout=CALL_TIMEOUT)
+        assert await asyncio.to_thread(fut.wait, CALL_TIMEOUT) == 4
+
+    with check("asyncio/blocking_call_refused"):
+        with raises(BlockingCallError):
+            rpc.rpc_sync("w1", rf.add, (1, 1), timeout=CALL_TIMEOUT)
+
+    with check("asyncio/remote"):
+        rref = rpc.remote("w1", rf.make_counter, (3,))
+        value = await rref.to_here_async()
+        assert isinstance(value, rf.Counter) and value.get() == 3
+        assert await rref.rpc_async().increment(2) == 5
+        mine = rpc.remote("w0", rf.make_counter, (4,))
+        assert (await mine.to_here_async()).get() == 4 and mine.local_value().get() == 4
+
+
+# ============================================================================ shutdown
+def shutdown_graceful(rank: int, world_size: int, init_method: str, workdir: str) -> None:
+    """Rank 1 issues a 3 s call to rank 0 and shuts down at once; rank 0 shuts down while
+    that call runs on it. The call must still complete, with its result delivered."""
+    init(rank, world_size, init_method)
+    if rank == 0:
+        with check("graceful/callee") as c:
+            rf.wait_started(30)
+            assert rf.get_count("sleep_signalled/done") == 0
+            rpc.shutdown()
+            c.value = rf.get_count("sleep_signalled/done")
+            assert c.value == 1, "shutdown() returned before the call it was serving completed"
+    else:
+        with check("graceful/caller"):
+            fut = rpc.rpc_async("w0", rf.sleep_signalled, (3.0,))
+            assert not fut.done()
+            rpc.shutdown()
+            assert fut.done(), "shutdown() returned with this worker's call still pending"
+            assert fut.wait() == 3.0
+    with check(f"graceful/after/{rank}"):
+        with raises(RpcError):
+            rpc.rpc_sync(0, rf.whoami)
+        rpc.shutdown()  # a second shutdown is a no-op
+
+
+def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: str) -> None:
+    """Both workers leave with shutdown(graceful=False); rank 1 has a call outstanding."""
+    init(rank, world_size, init_method)
+    if rank == 0:
+        with check("nongraceful/callee"):
+            rf.wait_started(30)
+            rf.wait_idle(30)  # the user function ends on its own; nobody waits for its reply
+            rpc.shutdown(graceful=False)
+    else:
+        with check("nongraceful/caller") as c:
+            fut = rpc.rpc_async("w0", rf.sleep_signalled, (3.0,), timeout=CALL_TIMEOUT)
+            rpc.rpc_sync("w0", rf.wait_started, (30,), timeout=CALL_TIMEOUT)
+            rpc.shutdown(graceful=False)
+            assert fut.done(), "non-graceful shutdown left an outstanding call pending"
+            with raises(WorkerUnavailableError) as r:
+                fut.wait()
+            c.value = str(r.value)
+    with check(f"nongraceful/after/{rank}"):
+        with raises(RpcError):
+            rpc.rpc_sync(0, rf.whoami)
