@@ -1,6 +1,7 @@
 """rpcdist: torch.distributed's RPC, RRefs and stores rebuilt on gRPC and asyncio.
 
-``import rpcdist as dist`` gives the c10d-style namespace; ``rpcdist.rpc`` mirrors
+``import rpcdist as dist`` gives the c10d namespace of ``torch.distributed``
+(``init_process_group``, ``all_reduce``, ``send``/``recv``, ...); ``rpcdist.rpc`` mirrors
 ``torch.distributed.rpc``::
 
     import rpcdist.rpc as rpc
@@ -10,6 +11,8 @@
 """
 
 from rpcdist import errors, futures
+from rpcdist.collectives import api as _c10d
+from rpcdist.collectives.api import *  # noqa: F403 - the c10d namespace, as torch.distributed
 from rpcdist.errors import (
     RemoteError,
     RpcdistError,
@@ -21,8 +24,11 @@ from rpcdist.errors import (
 from rpcdist.store import FileStore, GrpcStore, HashStore, PrefixStore, Store, StoreServer
 
 __version__ = "0.1.0"
+group = _c10d.GroupMember  # dist.group.WORLD, as in torch
 
 __all__ = [
+    *_c10d.__all__,
+    "group",
     "FileStore",
     "GrpcStore",
     "HashStore",

@@ -1,0 +1,155 @@
+"""Process groups: who is in a group, how its members reach each other, and the
+process-wide state ``init_process_group`` sets up.
+
+Members talk through an RPC agent of their own (named ``c10d-rank<N>``), registered in the
+same rendezvous store as ``init_rpc`` under the prefix ``c10d``, so RPC and collectives can be
+used together in one process. A message is one call of :func:`_deliver` on the receiver,
+which files it in the receiver's :class:`~rpcdist.collectives.mailbox.Mailbox`; calls between
+two workers run in the order sent, so messages between a pair of ranks arrive in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from rpcdist.collectives.mailbox import Mailbox
+from rpcdist.errors import RpcdistError
+from rpcdist.futures import Future
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 1800.0  # torch's default process-group timeout (30 min)
+
+
+class DistributedError(RpcdistError):
+    """A collective or point-to-point operation failed (mismatch, bad rank, timeout...)."""
+
+
+class CollectiveTimeoutError(DistributedError, TimeoutError):
+    """A peer's message did not arrive within the process group's timeout."""
+
+
+class ProcessGroup:
+    """A set of global ranks that run collectives together (``dist.group.WORLD``,
+    ``dist.new_group(...)``). ``rank()``/``size()`` are this process's view of it."""
+
+    def __init__(self, state: _State, group_id: int, ranks: list[int], timeout: float) -> None:
+        self._state = state
+        self.group_id = group_id
+        self.ranks = list(ranks)
+        self.timeout = timeout
+        self._group_rank = {g: i for i, g in enumerate(self.ranks)}
+        self._sequence = 0
+        self._lock = threading.Lock()
+
+    # -- membership -------------------------------------------------------------------------------
+    @property
+    def is_member(self) -> bool:
+        return self._state.rank in self._group_rank
+
+    def rank(self) -> int:
+        """This process's rank in the group (-1 if not a member)."""
+        return self._group_rank.get(self._state.rank, -1)
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def global_rank(self, group_rank: int) -> int:
+        if not 0 <= group_rank < len(self.ranks):
+            raise DistributedError(f"rank {group_rank} is outside this group of size {len(self.ranks)}")
+        return self.ranks[group_rank]
+
+    def group_rank_of(self, global_rank: int) -> int:
+        try:
+            return self._group_rank[global_rank]
+        except KeyError:
+            raise DistributedError(f"global rank {global_rank} is not in group {self.ranks}") from None
+
+    def require_member(self, what: str) -> None:
+        if not self.is_member:
+            raise DistributedError(
+                f"rank {self._state.rank} called {what} on a group it is not in (group ranks {self.ranks})"
+            )
+
+    def next_sequence(self) -> int:
+        """Collectives are numbered per group in call order, which must match on every rank."""
+        with self._lock:
+            self._sequence += 1
+            return self._sequence
+
+    # -- messages -----------------------------------------------------------------------------------
+    def send(self, to_group_rank: int, tag: Any, payload: Any) -> Future[Any]:
+        """Send ``payload`` to a member; the Future completes once the receiver has filed it."""
+        state = self._state
+        dest = self.global_rank(to_group_rank)
+        return state.agent.submit(
+            dest,
+            _deliver,
+            (self.group_id, state.rank, tag, payload),
+            None,
+            self.timeout,
+            function_name="rpcdist.collectives.deliver",
+        )
+
+    async def receive(self, from_group_rank: int | None, tag: Any, what: str) -> tuple[int, Any]:
+        """The next message with ``tag`` from a member (any member if None): (group rank, payload)."""
+        src = None if from_group_rank is None else self.global_rank(from_group_rank)
+        try:
+            sender, payload = await asyncio.wait_for(
+                self._state.mailbox.take((self.group_id, tag), src),
+                self.timeout if self.timeout > 0 else None,
+            )
+        except asyncio.TimeoutError:
+            who = "any rank" if src is None else f"rank {src}"
+            raise CollectiveTimeoutError(
+                f"{what} on rank {self._state.rank}: no message from {who} within {self.timeout:g} s"
+            ) from None
+        return self._group_rank.get(sender, -1), payload
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(id={self.group_id}, ranks={self.ranks})"
+
+
+@dataclass
+class _State:
+    """What ``init_process_group`` set up in this process."""
+
+    rank: int
+    world_size: int
+    backend: str
+    timeout: float
+    agent: Any
+    loop: asyncio.AbstractEventLoop
+    owns_loop: bool
+    mailbox: Mailbox = field(default_factory=Mailbox)
+    world: ProcessGroup | None = None
+    groups: list[ProcessGroup] = field(default_factory=list)
+    store: Any = None
+
+
+_state: _State | None = None
+
+
+def current_state() -> _State:
+    if _state is None:
+        raise DistributedError(
+            "the default process group is not initialized: call rpcdist.init_process_group(...) first"
+        )
+    return _state
+
+
+def set_state(state: _State | None) -> None:
+    global _state
+    _state = state
+
+
+async def _deliver(group_id: int, src: int, tag: Any, payload: Any) -> None:
+    """Runs on the receiver's loop for every message: file it for the matching receive."""
+    state = _state
+    if state is None:
+        raise DistributedError("message for a process group that is not initialized here")
+    state.mailbox.deliver((group_id, tag), src, payload)
