@@ -14,6 +14,7 @@ so every rank gets bit-identical results.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from rpcdist.collectives.group import DistributedError, ProcessGroup
 from rpcdist.collectives.reduce_ops import ReduceOp, combine, finish
 
 RING_MIN_BYTES = 256 << 10
+log = logging.getLogger(__name__)
 
 
 class Exchange:
@@ -37,7 +39,19 @@ class Exchange:
         self._sent: list[Any] = []
 
     def send(self, to: int, step: int, payload: Any, meta: Any = None) -> None:
-        self._sent.append(self.group.send(to, ("c", self.sequence, step), (self.name, meta, payload)))
+        """Send to group rank ``to``. A small tensor is copied now, so the caller may change it
+        at once and nobody waits for its receipt; a large one must stay untouched until
+        :meth:`flush` (the receiver has filed it)."""
+        small = (
+            isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() < RING_MIN_BYTES
+        )
+        if small:
+            payload = payload.clone()
+        future = self.group.send(to, ("c", self.sequence, step), (self.name, meta, payload))
+        if small:
+            future.add_done_callback(_log_failure)
+        else:
+            self._sent.append(future)
 
     async def recv(self, source: int, step: int, expect_meta: Any = None) -> Any:
         what = f"{self.name} (collective #{self.sequence} of group {self.group.ranks})"
@@ -62,6 +76,11 @@ class Exchange:
 
     def others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.me]
+
+
+def _log_failure(future: Any) -> None:
+    if future.exception() is not None:
+        log.warning("a collective message was not delivered: %s", future.exception())
 
 
 def _show(meta: Any) -> str:

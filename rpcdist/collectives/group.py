@@ -19,6 +19,7 @@ from typing import Any
 from rpcdist.collectives.mailbox import Mailbox
 from rpcdist.errors import RpcdistError
 from rpcdist.futures import Future
+from rpcdist.rpc.functions import inline
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def set_state(state: _State | None) -> None:
     _state = state
 
 
-async def _deliver(group_id: int, src: int, tag: Any, payload: Any) -> None:
+@inline
+def _deliver(group_id: int, src: int, tag: Any, payload: Any) -> None:
     """Runs on the receiver's loop for every message: file it for the matching receive."""
     state = _state
     if state is None:

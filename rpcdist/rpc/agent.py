@@ -42,7 +42,7 @@ from rpcdist.futures import Future
 from rpcdist.rendezvous import Member, Rendezvous
 from rpcdist.rpc import shm, transport, wire
 from rpcdist.rpc._threads import LoopInbox, WorkerPool
-from rpcdist.rpc.functions import is_async_execution
+from rpcdist.rpc.functions import INLINE_ATTR, inline, is_async_execution
 from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
 from rpcdist.rpc.rref import RRefContext
 from rpcdist.rpc.transport import FrameWriter
@@ -496,6 +496,14 @@ class RpcAgent:
         except Exception as exc:
             self._respond_error(session, call_id, function, exc, loading=True)
             return
+        if getattr(func, INLINE_ATTR, False):  # rpcdist's own short, non-blocking handlers
+            try:
+                result = func(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - goes back to the caller
+                self._respond_error(session, call_id, function, exc)
+                return
+            self._respond(session, call_id, function, result)
+            return
         if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
             getattr(func, "_wrapped_async_rpc_function", None)
         ):
@@ -665,7 +673,8 @@ async def _awaitable(result: Any) -> Any:
     )
 
 
-async def _ping() -> None:
+@inline
+def _ping() -> None:
     """Answered by every worker's loop; used to tell a dead peer from a slow one."""
 
 

@@ -36,3 +36,13 @@ def async_execution(fn: F) -> F:
 def is_async_execution(fn: Any) -> bool:
     """Whether ``fn`` was decorated with rpcdist's or torch's ``async_execution``."""
     return bool(getattr(fn, ASYNC_EXECUTION_ATTR, False) or hasattr(fn, "_wrapped_async_rpc_function"))
+
+
+INLINE_ATTR = "_rpcdist_inline"
+
+
+def inline(func: F) -> F:
+    """Internal: mark one of rpcdist's own handlers to run directly on the callee's loop as
+    the message arrives (no task, no thread). Only for short functions that never block."""
+    setattr(func, INLINE_ATTR, True)
+    return func

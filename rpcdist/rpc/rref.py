@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 from rpcdist import serialization
 from rpcdist.errors import RpcError, annotate_remote
 from rpcdist.futures import Future
+from rpcdist.rpc.functions import inline
 from rpcdist.rpc.options import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -426,19 +427,22 @@ async def _create(rref_id: RRefId, creator: int, func: Callable[..., Any], args:
     agent.rrefs.maybe_free(rref_id)  # the creator may have dropped it already
 
 
-async def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
+@inline
+def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
     """On the owner: ``user`` now holds an RRef that ``sender`` forked to it."""
     context = _context()
     context.entry(rref_id).holders.add(user)
     context.child_accepted_at(sender, token)
 
 
-async def _child_accepted(token: int) -> None:
+@inline
+def _child_accepted(token: int) -> None:
     """On a fork's sender: the owner knows the receiver; our own hold may go."""
     _context().release_child(token)
 
 
-async def _user_deleted(rref_id: RRefId, user: int) -> None:
+@inline
+def _user_deleted(rref_id: RRefId, user: int) -> None:
     """On the owner: ``user`` no longer holds an RRef to ``rref_id``."""
     context = _context()
     entry = context.owned.get(rref_id)
