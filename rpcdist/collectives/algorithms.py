@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rpcdist.collectives.group import DistributedError, ProcessGroup
+from rpcdist.collectives.loans import Loan
 from rpcdist.collectives.reduce_ops import ReduceOp, combine, finish
 
 RING_MIN_BYTES = 256 << 10
@@ -37,39 +38,55 @@ class Exchange:
         self.me = group.rank()
         self.size = group.size()
         self._sent: list[Any] = []
+        self._loans: list[Loan] = []
 
-    def send(self, to: int, step: int, payload: Any, meta: Any = None) -> None:
+    def send(self, to: int, step: int, payload: Any, meta: Any = None, lend: bool = True) -> None:
         """Send to group rank ``to``. A small tensor is copied now, so the caller may change it
         at once and nobody waits for its receipt; a large one must stay untouched until
-        :meth:`flush` (the receiver has filed it)."""
+        :meth:`flush` (the receiver has it)."""
         small = (
             isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() < RING_MIN_BYTES
         )
         if small:
             payload = payload.clone()
-        future = self.group.send(to, ("c", self.sequence, step), (self.name, meta, payload))
+        future = self.group.send(to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend)
         if small:
             future.add_done_callback(_log_failure)
         else:
             self._sent.append(future)
 
     async def recv(self, source: int, step: int, expect_meta: Any = None) -> Any:
+        """The payload ``source`` sent for ``step``. A lent tensor stays valid until
+        :meth:`release`."""
         what = f"{self.name} (collective #{self.sequence} of group {self.group.ranks})"
-        _, (name, meta, payload) = await self.group.receive(source, ("c", self.sequence, step), what)
+        _, ((name, meta), payload) = await self.group.receive(source, ("c", self.sequence, step), what)
+        if isinstance(payload, Loan):
+            self._loans.append(payload)
+            payload = payload.tensor
         if name != self.name:
+            self.release()
             raise DistributedError(
                 f"collective mismatch in call #{self.sequence}: rank {self.group.global_rank(source)} "
                 f"called {name}, rank {self.group.global_rank(self.me)} called {self.name}"
             )
         if expect_meta is not None and meta is not None and meta != expect_meta:
+            self.release()
             raise DistributedError(
                 f"{self.name} #{self.sequence}: rank {self.group.global_rank(source)} passed {_show(meta)}, "
                 f"rank {self.group.global_rank(self.me)} passed {_show(expect_meta)}"
             )
         return payload
 
+    def release(self) -> None:
+        """Done with every tensor received so far: lent slots go back to their senders."""
+        loans, self._loans = self._loans, []
+        for loan in loans:
+            loan.release()
+
     async def flush(self) -> None:
-        """Wait until every message sent has been filed by its receiver (buffers reusable)."""
+        """Release what was received, then wait until every large message sent has been taken
+        by its receiver (so its buffer may change)."""
+        self.release()
         sent, self._sent = self._sent, []
         for future in sent:
             await future
@@ -120,7 +137,7 @@ async def _all_reduce_direct(ex: Exchange, tensor: torch.Tensor, op: ReduceOp) -
         ex.send(r, 0, tensor, meta)
     received = {r: await ex.recv(r, 0, meta) for r in ex.others()}
     received[ex.me] = tensor.clone()
-    acc = received[0]
+    acc = received[0].clone() if ex.me != 0 else received[0]
     for r in range(1, ex.size):
         combine(op, acc, received[r])
     finish(op, acc, ex.size)
@@ -156,11 +173,12 @@ async def reduce(ex: Exchange, tensor: torch.Tensor, dst: int, op: ReduceOp) -> 
         return
     received = {r: await ex.recv(r, 0, meta) for r in ex.others()}
     received[ex.me] = tensor.clone()
-    acc = received[0]
+    acc = received[0].clone() if ex.me != 0 else received[0]
     for r in range(1, ex.size):
         combine(op, acc, received[r])
     finish(op, acc, ex.size)
     tensor.copy_(acc)
+    ex.release()
 
 
 async def reduce_scatter(
@@ -177,7 +195,7 @@ async def reduce_scatter(
         ex.send(r, 0, inputs[r], meta)
     received = {r: await ex.recv(r, 0, meta) for r in ex.others()}
     received[ex.me] = inputs[ex.me].clone()
-    acc = received[0]
+    acc = received[0].clone() if ex.me != 0 else received[0]
     for r in range(1, ex.size):
         combine(op, acc, received[r])
     finish(op, acc, ex.size)
@@ -194,6 +212,7 @@ async def broadcast(ex: Exchange, tensor: torch.Tensor, src: int) -> None:
         await ex.flush()
     else:
         tensor.copy_(await ex.recv(src, 0, meta))
+        ex.release()
 
 
 async def all_gather(ex: Exchange, outputs: Sequence[torch.Tensor], tensor: torch.Tensor) -> None:
@@ -218,6 +237,7 @@ async def gather(
         raise DistributedError(f"gather on the destination needs a gather_list of {ex.size} tensors")
     for r in ex.others():
         _copy_into(outputs[r], await ex.recv(r, 0), f"gather from rank {ex.group.global_rank(r)}")
+        ex.release()
     _copy_into(outputs[ex.me], tensor, "gather (own tensor)")
 
 
@@ -233,6 +253,7 @@ async def scatter(
         await ex.flush()
     else:
         _copy_into(tensor, await ex.recv(src, 0), f"scatter from rank {ex.group.global_rank(src)}")
+        ex.release()
 
 
 async def all_to_all(ex: Exchange, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
@@ -249,7 +270,7 @@ async def all_to_all(ex: Exchange, outputs: Sequence[torch.Tensor], inputs: Sequ
 async def exchange_objects(ex: Exchange, outgoing: dict[int, Any]) -> dict[int, Any]:
     """Send ``outgoing[r]`` to each rank r; returns what each rank sent here (one step)."""
     for r, obj in outgoing.items():
-        ex.send(r, 0, obj)
+        ex.send(r, 0, obj, lend=False)  # objects are handed to the user: never lent
     received = {r: await ex.recv(r, 0) for r in ex.others()}
     await ex.flush()
     return received

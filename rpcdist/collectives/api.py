@@ -14,8 +14,10 @@ hanging; ``async_op=True`` returns a :class:`~rpcdist.collectives.work.Work`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,6 +37,7 @@ from rpcdist.collectives.group import (
     current_state,
     set_state,
 )
+from rpcdist.collectives.loans import Loan
 from rpcdist.collectives.reduce_ops import ReduceOp, check_op, reduce_op
 from rpcdist.collectives.work import Work
 from rpcdist.errors import BlockingCallError
@@ -249,6 +252,8 @@ async def destroy_process_group_async() -> None:
             log.warning("rank %d: destroy barrier failed: %s", state.rank, exc)
         await state.agent.wait_for_outstanding(30.0)
         await state.agent.close(graceful=True)
+        state.slots.close()
+        state.borrowings.close()
         if state.agent.rendezvous.server is not None:
             try:
                 await rdv.leave_barrier(store, "destroy-exit", state.world_size, 30.0)
@@ -282,17 +287,38 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     return group if group.is_member else GroupMember.NON_GROUP_MEMBER
 
 
+class _NotMember(Exception):
+    """This rank is not in the group an operation was called on (handled by @_members_only)."""
+
+
 def _group(group: Any, what: str) -> ProcessGroup:
     state = current_state()
     if group is None:
         assert state.world is not None
         return state.world
-    if group is GroupMember.NON_GROUP_MEMBER:
-        raise DistributedError(f"rank {state.rank} called {what} on a group it is not a member of")
+    if group is GroupMember.NON_GROUP_MEMBER or (isinstance(group, ProcessGroup) and not group.is_member):
+        raise _NotMember(
+            f"Running {what} on global rank {state.rank} which does not belong to the given group."
+        )
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup from new_group(), not {type(group).__name__}")
-    group.require_member(what)
     return group
+
+
+def _members_only(func: Callable[..., Any]) -> Callable[..., Any]:
+    """As in torch: a rank outside the group gets a warning naming it, and nothing happens
+    (its tensors are untouched, the result is None). Programs like the torch tutorial's,
+    where every rank calls the collective of a sub-group, run unchanged."""
+
+    @functools.wraps(func)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except _NotMember as skip:
+            warnings.warn(str(skip), stacklevel=2)
+            return None
+
+    return guarded
 
 
 def get_rank(group: Any = None) -> int:
@@ -383,6 +409,7 @@ def _group_rank(pg: ProcessGroup, global_rank: int, what: str) -> int:
 
 
 # ------------------------------------------------------------------------------- collectives
+@_members_only
 def all_reduce(
     tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
@@ -392,6 +419,7 @@ def all_reduce(
     return _collective(group, "all_reduce", lambda ex: algo.all_reduce(ex, tensor, op), async_op)
 
 
+@_members_only
 def reduce(
     tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Any:
@@ -403,6 +431,7 @@ def reduce(
     return _collective(pg, "reduce", lambda ex: algo.reduce(ex, tensor, d, op), async_op)
 
 
+@_members_only
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
     _tensor(tensor, "broadcast")
@@ -411,6 +440,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     return _collective(pg, "broadcast", lambda ex: algo.broadcast(ex, tensor, s), async_op)
 
 
+@_members_only
 def all_gather(
     tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
@@ -419,6 +449,7 @@ def all_gather(
     return _collective(group, "all_gather", lambda ex: algo.all_gather(ex, tensor_list, tensor), async_op)
 
 
+@_members_only
 def all_gather_into_tensor(
     output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Any:
@@ -438,6 +469,7 @@ def all_gather_into_tensor(
     )
 
 
+@_members_only
 def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
@@ -452,6 +484,7 @@ def gather(
     return _collective(pg, "gather", lambda ex: algo.gather(ex, tensor, gather_list, d), async_op)
 
 
+@_members_only
 def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
@@ -466,6 +499,7 @@ def scatter(
     return _collective(pg, "scatter", lambda ex: algo.scatter(ex, tensor, scatter_list, s), async_op)
 
 
+@_members_only
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
@@ -481,6 +515,7 @@ def reduce_scatter(
     )
 
 
+@_members_only
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -505,6 +540,7 @@ def reduce_scatter_tensor(
     )
 
 
+@_members_only
 def all_to_all(
     output_tensor_list: list[torch.Tensor],
     input_tensor_list: list[torch.Tensor],
@@ -517,6 +553,7 @@ def all_to_all(
     )
 
 
+@_members_only
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -548,11 +585,13 @@ def _split(t: torch.Tensor, sizes: list[int] | None, n: int, what: str) -> list[
     return list(t.split(list(sizes)))
 
 
+@_members_only
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
     """Block until every rank of the group has reached the barrier."""
     return _collective(group, "barrier", algo.barrier, async_op)
 
 
+@_members_only
 def monitored_barrier(
     group: Any = None, timeout: float | timedelta | None = None, wait_all_ranks: bool = False
 ) -> None:
@@ -592,6 +631,7 @@ def monitored_barrier(
 
 
 # ------------------------------------------------------------------------------- objects
+@_members_only
 def broadcast_object_list(
     object_list: list[Any], src: int = 0, group: Any = None, device: Any = None
 ) -> None:
@@ -614,6 +654,7 @@ def broadcast_object_list(
     _collective(pg, "broadcast_object_list", body, False)
 
 
+@_members_only
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Every rank's ``obj`` into ``object_list[rank]``."""
     pg = _group(group, "all_gather_object")
@@ -626,6 +667,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     _collective(pg, "all_gather_object", body, False)
 
 
+@_members_only
 def gather_object(
     obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
 ) -> None:
@@ -647,6 +689,7 @@ def gather_object(
     _collective(pg, "gather_object", body, False)
 
 
+@_members_only
 def scatter_object_list(
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
@@ -678,6 +721,7 @@ def _p2p_tag(tag: int) -> tuple[str, int]:
     return ("p", int(tag))
 
 
+@_members_only
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Work:
     """Send ``tensor`` to rank ``dst``; the Work completes when the receiver has it."""
     _tensor(tensor, "isend", contiguous=False)
@@ -687,11 +731,12 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Wo
         raise DistributedError(f"isend: rank {dst} cannot send to itself")
 
     async def run() -> None:
-        await pg.send(d, _p2p_tag(tag), tensor)
+        await pg.send(d, _p2p_tag(tag), None, tensor)
 
     return _launch(run, True, f"isend to rank {dst} (tag {tag})", pg.timeout)
 
 
+@_members_only
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Work:
     """Receive into ``tensor`` from rank ``src`` (any rank if None); the Work's result is
     the sender's rank."""
@@ -700,19 +745,16 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     s = None if src is None else _group_rank(pg, src, "irecv")
 
     async def run() -> int:
-        who, payload = await pg.receive(s, _p2p_tag(tag), f"recv (tag {tag})")
+        who, (_, payload) = await pg.receive(s, _p2p_tag(tag), f"recv (tag {tag})")
         sender = pg.global_rank(who)
-        if not isinstance(payload, torch.Tensor):
-            raise DistributedError(
-                f"recv from rank {sender}: expected a tensor, got {type(payload).__name__}"
-            )
-        if payload.shape != tensor.shape or payload.dtype != tensor.dtype:
-            raise DistributedError(
-                f"recv from rank {sender} (tag {tag}): got shape {list(payload.shape)} "
-                f"dtype {payload.dtype}, the receiving tensor has shape {list(tensor.shape)} "
-                f"dtype {tensor.dtype}"
-            )
-        tensor.copy_(payload)
+        loan = payload if isinstance(payload, Loan) else None
+        try:
+            received = loan.tensor if loan is not None else payload
+            _check_received(received, tensor, sender, tag)
+            tensor.copy_(received)
+        finally:
+            if loan is not None:
+                loan.release()
         return sender
 
     return _launch(
@@ -720,14 +762,31 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     )
 
 
+def _check_received(payload: Any, tensor: torch.Tensor, sender: int, tag: int) -> None:
+    if not isinstance(payload, torch.Tensor):
+        raise DistributedError(f"recv from rank {sender}: expected a tensor, got {type(payload).__name__}")
+    if payload.shape != tensor.shape or payload.dtype != tensor.dtype:
+        raise DistributedError(
+            f"recv from rank {sender} (tag {tag}): got shape {list(payload.shape)} "
+            f"dtype {payload.dtype}, the receiving tensor has shape {list(tensor.shape)} "
+            f"dtype {tensor.dtype}"
+        )
+
+
+@_members_only
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until it has been received."""
-    isend(tensor, dst, group, tag).wait()
+    work = isend(tensor, dst, group, tag)
+    if work is not None:
+        work.wait()
 
 
+@_members_only
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
     """Receive into ``tensor`` from ``src`` (any rank if None); returns the sender's rank."""
     work = irecv(tensor, src, group, tag)
+    if work is None:  # not a member: warned already
+        return -1
     work.wait()
     return work.result()
 

@@ -16,6 +16,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from rpcdist.collectives.loans import LOAN_MIN_BYTES, Borrowings, Loan, SlotPool
 from rpcdist.collectives.mailbox import Mailbox
 from rpcdist.errors import RpcdistError
 from rpcdist.futures import Future
@@ -83,14 +86,38 @@ class ProcessGroup:
             return self._sequence
 
     # -- messages -----------------------------------------------------------------------------------
-    def send(self, to_group_rank: int, tag: Any, payload: Any) -> Future[Any]:
-        """Send ``payload`` to a member; the Future completes once the receiver has filed it."""
+    def send(
+        self, to_group_rank: int, tag: Any, header: Any, payload: Any = None, lend: bool = True
+    ) -> Future[Any]:
+        """Send ``(header, payload)`` to a member. The Future completes once the receiver has
+        filed it, or, for a large tensor lent to a co-located peer (``lend``), once the
+        receiving operation has used it."""
         state = self._state
         dest = self.global_rank(to_group_rank)
-        return state.agent.submit(
+        agent = state.agent
+        if (
+            lend
+            and isinstance(payload, torch.Tensor)
+            and payload.numel() * payload.element_size() >= LOAN_MIN_BYTES
+            and agent.is_colocated(dest)
+        ):
+            slot, descriptor = state.slots.lend(dest, payload)
+            future = agent.submit(
+                dest,
+                _deliver_loan,
+                (self.group_id, state.rank, tag, header, descriptor),
+                None,
+                self.timeout,
+                function_name="rpcdist.collectives.deliver",
+            )
+            future.add_done_callback(
+                lambda _: state.loop.call_soon_threadsafe(state.slots.give_back, dest, slot)
+            )
+            return future
+        return agent.submit(
             dest,
             _deliver,
-            (self.group_id, state.rank, tag, payload),
+            (self.group_id, state.rank, tag, header, payload),
             None,
             self.timeout,
             function_name="rpcdist.collectives.deliver",
@@ -130,6 +157,8 @@ class _State:
     world: ProcessGroup | None = None
     groups: list[ProcessGroup] = field(default_factory=list)
     store: Any = None
+    slots: SlotPool = field(default_factory=SlotPool)
+    borrowings: Borrowings = field(default_factory=Borrowings)
 
 
 _state: _State | None = None
@@ -149,9 +178,21 @@ def set_state(state: _State | None) -> None:
 
 
 @inline
-def _deliver(group_id: int, src: int, tag: Any, payload: Any) -> None:
+def _deliver(group_id: int, src: int, tag: Any, header: Any, payload: Any) -> None:
     """Runs on the receiver's loop for every message: file it for the matching receive."""
     state = _state
     if state is None:
         raise DistributedError("message for a process group that is not initialized here")
-    state.mailbox.deliver((group_id, tag), src, payload)
+    state.mailbox.deliver((group_id, tag), src, (header, payload))
+
+
+@inline
+def _deliver_loan(group_id: int, src: int, tag: Any, header: Any, descriptor: tuple[Any, ...]) -> Any:
+    """Like :func:`_deliver` for a tensor lent in a shared-memory slot; the reply (which frees
+    the slot) goes out when the receiving operation releases it."""
+    state = _state
+    if state is None:
+        raise DistributedError("message for a process group that is not initialized here")
+    released = state.loop.create_future()
+    state.mailbox.deliver((group_id, tag), src, (header, Loan(state.borrowings.view(descriptor), released)))
+    return released

@@ -347,6 +347,10 @@ class RpcAgent:
             self._inbox.post(lambda: self._start_call(call))
         return future
 
+    def is_colocated(self, rank: int) -> bool:
+        """Whether ``rank`` shares this host's /dev/shm (so shared memory reaches it)."""
+        return rank in self._colocated
+
     def _share(self, rank: int, buffers: list[memoryview]) -> list[str]:
         """Hand the large buffers for a co-located peer to shared memory; names per buffer."""
         threshold = self.options.shm_threshold_bytes
@@ -502,6 +506,10 @@ class RpcAgent:
             except Exception as exc:  # noqa: BLE001 - goes back to the caller
                 self._respond_error(session, call_id, function, exc)
                 return
+            if isinstance(result, asyncio.Future):  # answer once it settles (e.g. a loan returned)
+                session.track(call_id, result)
+                result.add_done_callback(lambda f: self._settle_inline(session, call_id, function, f))
+                return
             self._respond(session, call_id, function, result)
             return
         if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
@@ -518,6 +526,15 @@ class RpcAgent:
             self._pool.submit(
                 lambda: self._run_blocking(session, call_id, function, func, args, kwargs, job, deadline)
             )
+
+    def _settle_inline(self, session: _InboundSession, call_id: int, function: str, done: Any) -> None:
+        session.untrack(call_id)
+        if done.cancelled():
+            return
+        if done.exception() is not None:
+            self._respond_error(session, call_id, function, done.exception())
+        else:
+            self._respond(session, call_id, function, done.result())
 
     async def _run_async(
         self, session: _InboundSession, call_id: int, function: str, func: Any, args: Any, kwargs: Any
