@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
+    "destroy_process_group_async",
     "gather",
     "gather_object",
     "get_backend",
@@ -287,6 +289,10 @@ def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | N
     return group if group.is_member else GroupMember.NON_GROUP_MEMBER
 
 
+def loop_time() -> float:
+    return time.monotonic()
+
+
 class _NotMember(Exception):
     """This rank is not in the group an operation was called on (handled by @_members_only)."""
 
@@ -388,6 +394,8 @@ def _collective(
     group: Any, name: str, body: Callable[[algo.Exchange], Coroutine[Any, Any, Any]], async_op: bool
 ) -> Any:
     pg = _group(group, name)
+    if not async_op and current_loop() is pg._state.loop:  # refuse before taking a number
+        raise BlockingCallError(f"{name} would block the event loop: pass async_op=True and await the Work")
     exchange = algo.Exchange(pg, name, pg.next_sequence())  # numbered now, in call order
     return _launch(lambda: body(exchange), async_op, f"{name} on rank {get_rank()}", pg.timeout)
 
@@ -619,13 +627,24 @@ def monitored_barrier(
                 ) from None
             await store.set_async(f"{key}/release", b"1")
         else:
-            try:
-                await store.wait_async([f"{key}/release"], limit + 5)
-            except Exception:
-                raise DistributedError(
-                    f"monitored_barrier: rank {state.rank} was not released by rank {leader} "
-                    f"within {limit:g} s"
-                ) from None
+            deadline = loop_time() + limit + 5
+            while True:  # released, or told which ranks the leader gave up on
+                if await store.check_async([f"{key}/release"]):
+                    return
+                if await store.check_async([f"{key}/failed"]):
+                    missing = (await store.get_async(f"{key}/failed")).decode()
+                    raise DistributedError(
+                        f"monitored_barrier: ranks [{missing}] did not arrive within {limit:g} s"
+                    )
+                if loop_time() > deadline:
+                    raise DistributedError(
+                        f"monitored_barrier: rank {state.rank} was not released by rank {leader} "
+                        f"within {limit:g} s"
+                    )
+                try:
+                    await store.wait_async([f"{key}/release"], 0.5)
+                except Exception:  # noqa: BLE001 - poll the failure key again
+                    pass
 
     _launch(run, False, "monitored_barrier", limit + 10)
 
@@ -641,7 +660,9 @@ def broadcast_object_list(
 
     async def body(ex: algo.Exchange) -> None:
         if ex.me == s:
-            await algo.exchange_objects(ex, {r: list(object_list) for r in ex.others()})
+            for r in ex.others():
+                ex.send(r, 0, list(object_list), lend=False)
+            await ex.flush()
         else:
             received = await ex.recv(s, 0)
             if len(received) != len(object_list):
@@ -677,7 +698,7 @@ def gather_object(
 
     async def body(ex: algo.Exchange) -> None:
         if ex.me != d:
-            ex.send(d, 0, obj)
+            ex.send(d, 0, obj, lend=False)
             await ex.flush()
             return
         if object_gather_list is None or len(object_gather_list) != ex.size:
@@ -704,7 +725,9 @@ def scatter_object_list(
         if ex.me == s:
             if scatter_object_input_list is None or len(scatter_object_input_list) != ex.size:
                 raise DistributedError(f"scatter_object_list on the source needs {ex.size} input objects")
-            await algo.exchange_objects(ex, {r: scatter_object_input_list[r] for r in ex.others()})
+            for r in ex.others():
+                ex.send(r, 0, scatter_object_input_list[r], lend=False)
+            await ex.flush()
             mine = scatter_object_input_list[ex.me]
         else:
             mine = await ex.recv(s, 0)

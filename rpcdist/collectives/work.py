@@ -26,8 +26,11 @@ class Work:
         """Block until done; raises the operation's error, or TimeoutError after ``timeout``
         seconds (default: the process group's timeout)."""
         limit = self._timeout if timeout is None else timeout
+        # The operation enforces the group timeout itself, with an error naming the rank it
+        # waited for; the grace lets that error, not this generic one, reach the caller.
+        grace = 5.0 if timeout is None else 0.0
         try:
-            self._future.wait(limit if limit and limit > 0 else None)
+            self._future.wait(limit + grace if limit and limit > 0 else None)
         except TimeoutError as exc:
             if self._future.done():
                 raise
