@@ -22,10 +22,45 @@ def sink(tensor: object) -> None:
 
 
 def small(value: int) -> int:
-    """(d): the value an ``rpc.remote`` call leaves on the owner (fetched with ``to_here()``)."""
+    """(d)/(g): the value an ``rpc.remote`` call leaves on the owner (a small Python int)."""
     return value + 1
 
 
 def getpid() -> int:
     """The callee's process id (a sanity check that calls really cross a process boundary)."""
     return os.getpid()
+
+
+class Target:
+    """(f): the object an RRef points at; ``rref.rpc_sync().noop()`` runs this on its owner."""
+
+    def noop(self) -> None:
+        return None
+
+
+def vm_rss(pid: int | str = "self") -> int:
+    """Resident set size of a process in bytes (VmRSS in /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def owned_rrefs(system: str) -> int:
+    """How many values this worker owns as an RRef owner, from the system's own debug info."""
+    if system == "torch":
+        from torch.distributed.rpc import _rref_context_get_debug_info
+
+        return int(_rref_context_get_debug_info()["num_owner_rrefs"])
+    from rpcdist.rpc import debug_info
+
+    return int(debug_info()["owned_rrefs"])
+
+
+def memory_stats(system: str) -> dict[str, int]:
+    """(g): the owner's RSS (after a full gc) and how many RRef values it owns."""
+    import gc
+
+    gc.collect()
+    return {"rss": vm_rss(), "owned": owned_rrefs(system)}

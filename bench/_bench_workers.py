@@ -169,7 +169,7 @@ def rpc_worker(
         raise
     conn.send(("result", "init", {}))
     try:
-        _rpc_phases(rpc, report, cfg)
+        _rpc_phases(system, rpc, report, cfg)
     finally:
         conn.send(("measured",))
         conn.send(("phase", "shutdown", cfg["init_budget"]))
@@ -177,7 +177,8 @@ def rpc_worker(
         conn.send(("done",))
 
 
-def _rpc_phases(rpc: Any, report: _Reporter, cfg: dict[str, Any]) -> None:
+def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -> None:
+    import gc
     import threading
 
     import _bench_functions as F
@@ -258,14 +259,113 @@ def _rpc_phases(rpc: Any, report: _Reporter, cfg: dict[str, Any]) -> None:
                 raise RuntimeError(f"remote(small, {i}).to_here() gave {value!r}")
         return _stats_ns(samples)
 
+    def wait_created(rref: Any, deadline: float) -> None:
+        """Until the owner has run the ``remote()`` that made ``rref`` (raises its error)."""
+        fut = rref._get_future() if hasattr(rref, "_get_future") else getattr(rref, "_confirmed", None)
+        if fut is not None:  # torch: the creating call's future; rpcdist: the same, as _confirmed
+            fut.wait()
+            return
+        while not rref.confirmed_by_owner():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{rref!r} not confirmed by its owner in time")
+            time.sleep(0.001)
+
+    def rref_call() -> dict[str, Any]:
+        target = rpc.remote(peer, F.Target)  # owned by the callee, held here
+        wait_created(target, time.monotonic() + 60)
+        for _ in range(cfg["warmup"]):
+            target.rpc_sync().noop()
+        clock = time.perf_counter_ns
+        samples = []
+        for _ in range(cfg["rref_calls"]):
+            t0 = clock()
+            target.rpc_sync().noop()
+            samples.append(clock() - t0)
+        return _stats_ns(samples)
+
+    def owner_stats() -> dict[str, int]:
+        return rpc.rpc_sync(peer, F.memory_stats, args=(system,))
+
+    def settle(at_most: int, seconds: float) -> tuple[dict[str, int], float]:
+        """Poll the owner until it owns at most ``at_most`` RRef values (deletions arrive
+        asynchronously); returns its last stats and how long that took."""
+        t0 = time.monotonic()
+        while True:
+            st = owner_stats()
+            if st["owned"] <= at_most or time.monotonic() - t0 > seconds:
+                return st, time.monotonic() - t0
+            time.sleep(0.05)
+
+    def rref_memory() -> dict[str, Any]:
+        """RSS growth of the owner (callee) and the user (caller) per live RRef to a small int."""
+        n, batch = cfg["rref_count"], cfg["rref_batch"]
+        gc.collect()
+        owner_stats()  # warm the call path
+        # Earlier phases' RRefs may still be on their way out: start from an empty owner table.
+        before, _ = settle(0, 10.0)
+        gc.collect()
+        caller_before = F.vm_rss()
+        rrefs: list[Any] = []
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            chunk = [rpc.remote(peer, F.small, args=(i,)) for i in range(start, min(n, start + batch))]
+            deadline = time.monotonic() + cfg["phase_budget"]
+            for rref in chunk:  # at most ``batch`` creations in flight
+                wait_created(rref, deadline)
+            rrefs.extend(chunk)
+            del chunk, rref  # ``rrefs`` must hold the only references
+        create_s = time.perf_counter() - t0
+        gc.collect()
+        time.sleep(0.2)
+        held = owner_stats()
+        gc.collect()
+        caller_held = F.vm_rss()
+        if held["owned"] < n:
+            raise RuntimeError(f"the owner owns {held['owned']} RRef values with {n} RRefs live")
+        for i in (0, n - 1):  # spot-check the values (after measuring)
+            if rrefs[i].to_here() != i + 1:
+                raise RuntimeError(f"RRef {i} holds {rrefs[i].to_here()!r}, expected {i + 1}")
+        # Drop every RRef and wait until the owner has freed the values, so the group shuts
+        # down with nothing left to delete.
+        t1 = time.perf_counter()
+        del rrefs
+        gc.collect()
+        after, _ = settle(before["owned"], cfg["phase_budget"] / 2)
+        release_s = time.perf_counter() - t1
+        if after["owned"] > before["owned"]:
+            raise RuntimeError(
+                f"the owner still owns {after['owned']} RRef values {release_s:.0f} s after all "
+                f"{n} RRefs were dropped (it owned {before['owned']} before)"
+            )
+        gc.collect()
+        return {
+            "count": n,
+            "batch": batch,
+            "owner_bytes_per_rref": (held["rss"] - before["rss"]) / n,
+            "caller_bytes_per_rref": (caller_held - caller_before) / n,
+            "owner_rss_before": before["rss"],
+            "owner_rss_held": held["rss"],
+            "owner_rss_released": after["rss"],
+            "owner_owned_held": held["owned"],
+            "caller_rss_before": caller_before,
+            "caller_rss_held": caller_held,
+            "caller_rss_released": F.vm_rss(),
+            "create_s": create_s,
+            "creates_per_s": n / create_s,
+            "release_s": release_s,
+        }
+
     report.run("sanity", sanity)
     report.run("latency", latency)
     report.run("calls", calls_per_s)
     for size in cfg["sizes"]:
         report.run(f"oneway_{size}", one_way, size)
     report.run("remote", remote)
+    report.run("rref_call", rref_call)
     time.sleep(0.5)  # let callbacks / RRef deletions settle before "nothing in flight"
     report.idle()
+    # After the idle measurement, so its 100k RRefs (and their deletion) cannot disturb it.
+    report.run("rref_memory", rref_memory)
 
 
 # ------------------------------------------------------------------------------------------------

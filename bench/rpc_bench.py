@@ -20,6 +20,14 @@ Measured per round (medians over many calls, then the median over rounds is prin
   (d) remote() + to_here() of a small int (µs)
   (e) idle CPU (% of one core) of the callee and of the caller, from /proc/<pid>/stat
       utime+stime over a few seconds with nothing in flight
+  (f) ``rref.rpc_sync().noop()`` round trip through an RRef held by the caller to an object
+      the callee owns (made by ``rpc.remote(callee, Target)``) (µs)
+  (g) memory per live RRef: the caller makes 100,000 (10,000 with --quick) RRefs to small ints
+      on the callee with ``rpc.remote``, in batches of 1,000 (each batch confirmed by the
+      owner before the next starts), and reports the growth of the callee's (owner's) and the
+      caller's (user's) VmRSS (/proc/<pid>/status, after gc) divided by the count, in bytes.
+      Then it drops them all and waits until the owner has freed every value, so the group
+      shuts down with nothing pending. Runs after (e), so it cannot disturb the idle figures.
   grpc.aio raw: the same unary round trip / 64-in-flight / one-way sends as bytes in, bytes
       out (generic handlers, no protobuf), and one 64 MB client stream in 1 MB chunks.
 
@@ -74,6 +82,9 @@ def make_config(quick: bool) -> dict[str, Any]:
             "bulk_warmup": 1,
             "bulk_iters": {str(1 * MiB): 10},
             "remote_calls": 50,
+            "rref_calls": 200,
+            "rref_count": 10_000,
+            "rref_batch": 1000,
             "idle_seconds": 1.5,
             "stream_bytes": 64 * MiB,
             "stream_chunk": 1 * MiB,
@@ -92,6 +103,9 @@ def make_config(quick: bool) -> dict[str, Any]:
         "bulk_warmup": 2,
         "bulk_iters": {str(1 * MiB): 50, str(16 * MiB): 10, str(64 * MiB): 5},
         "remote_calls": 500,
+        "rref_calls": 2000,
+        "rref_count": 100_000,
+        "rref_batch": 1000,
         "idle_seconds": 3.0,
         "stream_bytes": 64 * MiB,
         "stream_chunk": 1 * MiB,
@@ -429,6 +443,12 @@ def summarize(name: str, r: dict[str, Any]) -> str:
         return f"{r['calls_per_s']:.0f} calls/s (batches {', '.join(f'{x:.0f}' for x in r['batches'])})"
     if "median_us" in r:
         return f"median {r['median_us']:.0f} µs  p10 {r['p10_us']:.0f}  p90 {r['p90_us']:.0f}"
+    if "owner_bytes_per_rref" in r:
+        return (
+            f"{r['count']:,} RRefs: owner {r['owner_bytes_per_rref']:.0f} B/RRef, caller "
+            f"{r['caller_bytes_per_rref']:.0f} B/RRef; {r['creates_per_s']:.0f} remote()/s, "
+            f"released in {r['release_s']:.1f} s"
+        )
     if "callee_pct" in r:
         return f"callee {r['callee_pct']:.1f} %  caller {r['caller_pct']:.1f} % of a core"
     return json.dumps(r)
@@ -504,6 +524,33 @@ def metric_rows(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             "get": get("idle", "caller_pct"),
             "raw": True,
             "raw_ratio": False,
+        },
+        {
+            "id": "rref_call",
+            "label": "(f) RRef proxy call latency",
+            "unit": "µs",
+            "better": "lower",
+            "phase": "rref_call",
+            "get": get("rref_call", "median_us"),
+            "raw": False,
+        },
+        {
+            "id": "rref_owner_mem",
+            "label": f"(g) owner memory per live RRef, {cfg['rref_count']:,} held",
+            "unit": "B/RRef",
+            "better": "lower",
+            "phase": "rref_memory",
+            "get": get("rref_memory", "owner_bytes_per_rref"),
+            "raw": False,
+        },
+        {
+            "id": "rref_caller_mem",
+            "label": f"(g) caller memory per live RRef, {cfg['rref_count']:,} held",
+            "unit": "B/RRef",
+            "better": "lower",
+            "phase": "rref_memory",
+            "get": get("rref_memory", "caller_bytes_per_rref"),
+            "raw": False,
         },
         {
             "id": "stream",
@@ -712,7 +759,7 @@ def failures_text(rounds: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few iterations, 1 MB only, one round: < 60 s")
+    ap.add_argument("--quick", action="store_true", help="few iterations, 10,000 RRefs, one round: < 90 s")
     ap.add_argument("--repeats", type=int, default=None, help="rounds per system (default 5; 1 with --quick)")
     ap.add_argument("--json", metavar="PATH", help="write all per-round numbers and failures here")
     ap.add_argument(

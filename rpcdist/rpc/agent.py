@@ -44,7 +44,7 @@ from rpcdist.rpc import shm, transport, wire
 from rpcdist.rpc._threads import LoopInbox, WorkerPool
 from rpcdist.rpc.functions import INLINE_ATTR, inline, is_async_execution
 from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
-from rpcdist.rpc.rref import RRefContext
+from rpcdist.rpc.rref import RRefContext, capturing_forks
 from rpcdist.rpc.transport import FrameWriter
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,18 @@ Entries = Iterator[list[bytes | memoryview]]
 
 
 class _OutgoingCall:
-    __slots__ = ("dest", "function", "payload", "buffers", "shared", "timeout", "future", "timer", "call_id")
+    __slots__ = (
+        "dest",
+        "function",
+        "payload",
+        "buffers",
+        "shared",
+        "forks",
+        "timeout",
+        "future",
+        "timer",
+        "call_id",
+    )
 
     def __init__(
         self,
@@ -69,6 +80,7 @@ class _OutgoingCall:
         self.payload = payload
         self.buffers = buffers
         self.shared: list[str] = []
+        self.forks: list[int] = []  # RRef fork holds taken while pickling the arguments
         self.timeout = timeout
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
@@ -329,17 +341,23 @@ class RpcAgent:
             raise RpcError(f"worker {self.info.name} is shut down; call init_rpc first")
         dest = self.worker(to)
         name = function_name or serialization.check_importable(func)
-        payload, buffers = serialization.dumps((func, tuple(args or ()), dict(kwargs or {})))
-        size = len(payload) + sum(len(b) for b in buffers)
-        if size > self.options.max_payload_bytes:
-            raise PayloadTooLargeError(
-                f"call to {name} on {dest.name} carries {size} bytes, above max_payload_bytes="
-                f"{self.options.max_payload_bytes}"
-            )
+        with capturing_forks() as forks:
+            try:
+                payload, buffers = serialization.dumps((func, tuple(args or ()), dict(kwargs or {})))
+                size = len(payload) + sum(len(b) for b in buffers)
+                if size > self.options.max_payload_bytes:
+                    raise PayloadTooLargeError(
+                        f"call to {name} on {dest.name} carries {size} bytes, above max_payload_bytes="
+                        f"{self.options.max_payload_bytes}"
+                    )
+            except BaseException:
+                self.rrefs.release_children(forks)  # the RRefs in it never left
+                raise
         if timeout is None or timeout < 0:
             timeout = self.options.rpc_timeout
         future: Future[Any] = Future(loop=self.loop)
         call = _OutgoingCall(dest, name, payload, buffers, timeout, future)
+        call.forks = forks
         call.shared = self._share(dest.id, buffers)
         if threading.get_ident() == self._loop_thread_id and not self._inbox.pending:
             self._start_call(call)
@@ -369,6 +387,7 @@ class RpcAgent:
     def _start_call(self, call: _OutgoingCall) -> None:
         if self._closing:
             shm.remove(call.shared)
+            self.rrefs.release_children(call.forks)
             call.future._try_complete(None, RpcError(f"worker {self.info.name} is shutting down"))
             return
         call.call_id = call_id = next(self._call_ids)
@@ -376,6 +395,7 @@ class RpcAgent:
             peer = self._connection(call.dest.id)
         except Exception as exc:
             shm.remove(call.shared)
+            self.rrefs.release_children(call.forks)
             call.future._try_complete(None, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
             return
         self._pending[call_id] = call
@@ -470,6 +490,7 @@ class RpcAgent:
             del self._peers[peer.peer.id]
         for call_id, call in list(self._pending.items()):
             if call.dest.id == peer.peer.id:
+                self.rrefs.release_children(call.forks)  # the receiver is gone with them
                 self._fail(
                     call_id,
                     WorkerUnavailableError(
@@ -518,7 +539,8 @@ class RpcAgent:
             task = self.loop.create_task(self._run_async(session, call_id, function, func, args, kwargs))
             session.track(call_id, task)
             if header.timeout_seconds > 0:
-                self.loop.call_later(header.timeout_seconds, task.cancel)
+                deadline = self.loop.call_later(header.timeout_seconds, task.cancel)
+                task.add_done_callback(lambda _: deadline.cancel())  # don't pin finished calls
         else:
             job = _ThreadJob()
             session.track(call_id, job)
@@ -606,13 +628,18 @@ class RpcAgent:
         session.track(call_id, self.loop.create_task(complete()))
 
     def _encode_result(self, session: _InboundSession, call_id: int, function: str, result: Any) -> Entries:
-        payload, buffers = serialization.dumps(result)
-        size = len(payload) + sum(len(b) for b in buffers)
-        if size > self.options.max_payload_bytes:
-            raise PayloadTooLargeError(
-                f"the result of {function} is {size} bytes, above max_payload_bytes="
-                f"{self.options.max_payload_bytes}"
-            )
+        with capturing_forks() as forks:
+            try:
+                payload, buffers = serialization.dumps(result)
+                size = len(payload) + sum(len(b) for b in buffers)
+                if size > self.options.max_payload_bytes:
+                    raise PayloadTooLargeError(
+                        f"the result of {function} is {size} bytes, above max_payload_bytes="
+                        f"{self.options.max_payload_bytes}"
+                    )
+            except BaseException:
+                self.rrefs.release_children(forks)
+                raise
         shared = self._share(session.caller_rank, buffers)
         if shared:
             session.remember_exported(shared)

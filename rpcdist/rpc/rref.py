@@ -23,12 +23,14 @@ The protocol (the guarantees torch documents for its RRefs, kept with fewer mess
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import itertools
 import logging
 import threading
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from rpcdist import serialization
@@ -44,6 +46,20 @@ __all__ = ["RRef", "create_remote", "debug_info"]
 
 RRefId = tuple[int, int, int]  # (owner rank, rank that created it, counter there)
 _counter = itertools.count(1)
+_fork_capture = threading.local()
+
+
+@contextlib.contextmanager
+def capturing_forks() -> Iterator[list[int]]:
+    """Collect the fork tokens of the RRefs pickled in this block (this thread), so a message
+    that never leaves can give their holds back."""
+    previous = getattr(_fork_capture, "tokens", None)
+    tokens: list[int] = []
+    _fork_capture.tokens = tokens
+    try:
+        yield tokens
+    finally:
+        _fork_capture.tokens = previous
 
 
 def _agent() -> Any:
@@ -73,7 +89,9 @@ class RRefContext:
         self.owned: dict[RRefId, _OwnerEntry] = {}
         self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
         self.pending_children: dict[int, RRef[Any]] = {}
-        self._lock = threading.Lock()  # users/pending_children are touched from any thread
+        # users/pending_children are touched from any thread; re-entrant because the garbage
+        # collector may run an RRef finalizer (which takes it) inside any locked block.
+        self._lock = threading.RLock()
         self._tokens = itertools.count(1)
         self._closed = False
 
@@ -163,7 +181,13 @@ class RRefContext:
 
     def release_child(self, token: int) -> None:
         with self._lock:
-            self.pending_children.pop(token, None)
+            child = self.pending_children.pop(token, None)
+        del child  # possibly the last reference: its finalizer runs here, outside the lock
+
+    def release_children(self, tokens: list[int]) -> None:
+        """Drop the holds of forks whose message never reached its receiver."""
+        for token in tokens:
+            self.release_child(token)
 
     def _user_finalized(self, rref_id: RRefId) -> None:
         with self._lock:
@@ -297,7 +321,7 @@ class RRef(Generic[T]):
         entry = agent.rrefs.owned.get(self._id)
         if entry is None or not entry.value.done():
             return self.to_here()
-        return entry.value.result()
+        return _value_or_copy_of_error(entry.value)
 
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
         """A Future of the value, copied from the owner (on the owner: the value itself);
@@ -326,7 +350,7 @@ class RRef(Generic[T]):
             value = agent.rrefs.entry(rref_id).value
             value.add_done_callback(
                 lambda v: (
-                    result._try_complete(None, v.exception())
+                    result._try_complete(None, copy.copy(v.exception()).with_traceback(None))
                     if v.exception() is not None
                     else result._try_complete(v.result(), None)
                 )
@@ -356,6 +380,9 @@ class RRef(Generic[T]):
     def __reduce__(self) -> Any:
         agent = _agent()
         token = agent.rrefs.hold_child(self)
+        captured = getattr(_fork_capture, "tokens", None)
+        if captured is not None:
+            captured.append(token)
         return (_rebuild_rref, (self._owner, self._id, agent.info.id, token))
 
     def __repr__(self) -> str:
@@ -396,24 +423,51 @@ class _Proxy:
 
 
 # -- the messages (each runs on the receiving worker's loop, in arrival order) ----------------------
+async def _owned_value(rref_id: RRefId) -> Any:
+    """On the owner: the value of ``rref_id`` once it exists, or a copy of its creation error.
+
+    The stored exception itself is never raised: its traceback would pin the frames (and
+    the RRefs in them) of every caller, and the entry would never be freed.
+    """
+    entry = _context().entry(rref_id)
+    await asyncio.wait({entry.value})
+    return _value_or_copy_of_error(entry.value)
+
+
+def _value_or_copy_of_error(value: asyncio.Future[Any]) -> Any:
+    error = value.exception()
+    if error is not None:
+        raise copy.copy(error).with_traceback(None)
+    return value.result()
+
+
 async def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
-    return await asyncio.shield(_context().entry(rref_id).value)
+    return await _owned_value(rref_id)
 
 
 async def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
     agent = _agent()
-    value = await asyncio.shield(agent.rrefs.entry(rref._id).value)
+    value = await _owned_value(rref._id)
     return await agent.run_user_function(getattr(value, method), args, kwargs)
 
 
-async def _create(rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any) -> None:
-    """On the owner: register the creator, run ``func`` and keep its result (or error)."""
+@inline
+def _create(
+    rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any
+) -> asyncio.Future[None]:
+    """On the owner: register the creator at once (in arrival order, before any deletion the
+    creator sends next), then run ``func`` and keep its result (or error)."""
     agent = _agent()
     entry = agent.rrefs.entry(rref_id)
     if creator >= 0:
         entry.holders.add(creator)
+    return agent.loop.create_task(_run_create(agent, rref_id, func, args, kwargs))
+
+
+async def _run_create(agent: Any, rref_id: RRefId, func: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    entry = agent.rrefs.entry(rref_id)
     try:
         value = await agent.run_user_function(func, args, kwargs)
     except BaseException as exc:

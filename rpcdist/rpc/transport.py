@@ -36,6 +36,9 @@ CHANNEL_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 0),
+    # Servers accept the clients' 30 s keepalive pings (gRPC's default would answer GOAWAY).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 20_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 _LENGTH = struct.Struct("<Q")
 
