@@ -584,6 +584,14 @@ def _many() -> None:
             rss[f"after{round_}"] = rpc.rpc_sync("w2", rrf.rss_kib, timeout=CALL_TIMEOUT)
             c.value = {"create_s": round(created, 2), "free_s": round(freed, 2), "rss_kib": dict(rss)}
 
+    with check("many/fire_and_forget_freed") as c:
+        # remote() whose RRef is dropped at once: the deletion can reach the owner right
+        # behind the creation; the value must still be freed.
+        for i in range(2_000):
+            rpc.remote("w2", rrf.make_payload, (i,))
+        collect()
+        c.value = wait_counts("w2", 30, owned_rrefs=0)
+
     with check("many/rss_bounded") as c:
         growth1 = rss["after1"] - rss["start"]
         growth2 = rss["after2"] - rss["after1"]

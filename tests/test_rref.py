@@ -133,6 +133,10 @@ def test_many_rrefs_freed(main: GroupRun, round_: int) -> None:
     main.check(f"many/round{round_}")
 
 
+def test_fire_and_forget_remote_is_freed(main: GroupRun) -> None:
+    main.check("many/fire_and_forget_freed")
+
+
 def test_many_rrefs_owner_memory_bounded(main: GroupRun) -> None:
     main.check("many/rss_bounded")
 
