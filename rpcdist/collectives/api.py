@@ -255,7 +255,6 @@ async def destroy_process_group_async() -> None:
         await state.agent.wait_for_outstanding(30.0)
         await state.agent.close(graceful=True)
         state.slots.close()
-        state.borrowings.close()
         if state.agent.rendezvous.server is not None:
             try:
                 await rdv.leave_barrier(store, "destroy-exit", state.world_size, 30.0)

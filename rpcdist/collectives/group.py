@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from rpcdist.collectives.loans import LOAN_MIN_BYTES, Borrowings, Loan, SlotPool
+from rpcdist.collectives.loans import LOAN_MIN_BYTES, Loan, borrow_tensor, lend_tensor
 from rpcdist.collectives.mailbox import Mailbox
 from rpcdist.errors import RpcdistError
 from rpcdist.futures import Future
 from rpcdist.rpc.functions import inline
+from rpcdist.rpc.shm import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class ProcessGroup:
             and payload.numel() * payload.element_size() >= LOAN_MIN_BYTES
             and agent.is_colocated(dest)
         ):
-            slot, descriptor = state.slots.lend(dest, payload)
+            slot, descriptor = lend_tensor(state.slots, dest, payload)
             future = agent.submit(
                 dest,
                 _deliver_loan,
@@ -158,7 +159,6 @@ class _State:
     groups: list[ProcessGroup] = field(default_factory=list)
     store: Any = None
     slots: SlotPool = field(default_factory=SlotPool)
-    borrowings: Borrowings = field(default_factory=Borrowings)
 
 
 _state: _State | None = None
@@ -194,5 +194,5 @@ def _deliver_loan(group_id: int, src: int, tag: Any, header: Any, descriptor: tu
     if state is None:
         raise DistributedError("message for a process group that is not initialized here")
     released = state.loop.create_future()
-    state.mailbox.deliver((group_id, tag), src, (header, Loan(state.borrowings.view(descriptor), released)))
+    state.mailbox.deliver((group_id, tag), src, (header, Loan(borrow_tensor(descriptor), released)))
     return released

@@ -60,6 +60,7 @@ class _OutgoingCall:
         "buffers",
         "shared",
         "forks",
+        "lent",
         "timeout",
         "future",
         "timer",
@@ -81,6 +82,7 @@ class _OutgoingCall:
         self.buffers = buffers
         self.shared: list[str] = []
         self.forks: list[int] = []  # RRef fork holds taken while pickling the arguments
+        self.lent: list[shm.Slot] = []  # shared-memory slots holding the arguments
         self.timeout = timeout
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
@@ -191,6 +193,7 @@ class RpcAgent:
         self._closed = False
         self._loop_thread_id = threading.get_ident()
         self.shm_probe = shm.create_probe() if options.shm_threshold_bytes > 0 else ""
+        self.slots = shm.SlotPool()
         self.rrefs = RRefContext(self)
         self._colocated: set[int] = set()
 
@@ -280,6 +283,7 @@ class RpcAgent:
             self._fail(call_id, WorkerUnavailableError(f"worker {self.info.name} shut down"))
         self._pool.shutdown(timeout=1.0 if graceful else 0.1)
         shm.remove([self.shm_probe])
+        self.slots.close()
         self.rrefs.close()
         self._closed = True
 
@@ -358,7 +362,7 @@ class RpcAgent:
         future: Future[Any] = Future(loop=self.loop)
         call = _OutgoingCall(dest, name, payload, buffers, timeout, future)
         call.forks = forks
-        call.shared = self._share(dest.id, buffers)
+        call.shared = self._share(dest.id, buffers, call.lent)
         if threading.get_ident() == self._loop_thread_id and not self._inbox.pending:
             self._start_call(call)
         else:  # through the inbox, behind calls other threads submitted earlier: order holds
@@ -369,24 +373,48 @@ class RpcAgent:
         """Whether ``rank`` shares this host's /dev/shm (so shared memory reaches it)."""
         return rank in self._colocated
 
-    def _share(self, rank: int, buffers: list[memoryview]) -> list[str]:
-        """Hand the large buffers for a co-located peer to shared memory; names per buffer."""
+    def _share(self, rank: int, buffers: list[memoryview], lent: list[shm.Slot] | None = None) -> list[str]:
+        """Hand the large buffers for a co-located peer to shared memory; names per buffer.
+
+        With ``lent`` (requests, whose reply tells when the callee is done reading) buffers
+        go through this agent's reusable slots, which are appended to it; otherwise each is
+        handed over as a new file the receiver keeps.
+        """
         threshold = self.options.shm_threshold_bytes
         if rank not in self._colocated or not any(len(b) >= threshold for b in buffers):
             return []
         names: list[str] = []
         try:
             for buffer in buffers:
-                names.append(shm.export(buffer) if len(buffer) >= threshold else "")
+                if len(buffer) < threshold:
+                    names.append("")
+                elif lent is not None:
+                    slot = self.slots.lend(rank, buffer.cast("B") if buffer.format != "B" else buffer)
+                    lent.append(slot)
+                    names.append(slot.name)
+                else:
+                    names.append(shm.export(buffer))
         except OSError as exc:  # /dev/shm full or gone: send inline
             log.warning("shared-memory handoff failed (%s); sending inline", exc)
-            shm.remove(names)
+            shm.remove(n for n in names if not shm.is_slot(n))
+            if lent:
+                for slot in lent:
+                    self.slots.discard(slot)
+                lent.clear()
             return []
         return names
 
+    def _drop_shared(self, call: _OutgoingCall) -> None:
+        """The call failed: remove its handed-over files; its lent slots are never reused (the
+        callee may still be reading them)."""
+        shm.remove(n for n in call.shared if not shm.is_slot(n))
+        for slot in call.lent:
+            self.slots.discard(slot)
+        call.lent = []
+
     def _start_call(self, call: _OutgoingCall) -> None:
         if self._closing:
-            shm.remove(call.shared)
+            self._drop_shared(call)
             self.rrefs.release_children(call.forks)
             call.future._try_complete(None, RpcError(f"worker {self.info.name} is shutting down"))
             return
@@ -394,7 +422,7 @@ class RpcAgent:
         try:
             peer = self._connection(call.dest.id)
         except Exception as exc:
-            shm.remove(call.shared)
+            self._drop_shared(call)
             self.rrefs.release_children(call.forks)
             call.future._try_complete(None, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
             return
@@ -447,7 +475,7 @@ class RpcAgent:
         call = self._pending.pop(call_id, None)
         if call is None:
             return
-        shm.remove(call.shared)
+        self._drop_shared(call)
         if call.timer is not None:
             call.timer.cancel()
         if not self._pending:
@@ -464,7 +492,9 @@ class RpcAgent:
             if call is None:
                 continue  # timed out or cancelled meanwhile
             if call.shared:
-                shm.remove(call.shared)  # normally adopted (and unlinked) by the callee already
+                shm.remove(n for n in call.shared if not shm.is_slot(n))  # normally adopted already
+            for slot in call.lent:  # the callee has read its arguments: slots reusable
+                self.slots.give_back(call.dest.id, slot)
             if call.timer is not None:
                 call.timer.cancel()
             if not self._pending:

@@ -4,6 +4,11 @@ The sender writes a buffer into a new file under ``/dev/shm`` (one copy, done by
 and sends only its name; the receiver maps the file as the memory of the rebuilt tensor
 (no copy) and unlinks it at once, so the memory lives exactly as long as that tensor.
 
+For buffers that go back and forth (collectives, repeated calls) a sender can instead *lend*
+them through reusable slots (:class:`SlotPool`): it copies into a warm mapping it keeps, the
+receiver maps the slot once (:class:`Borrowings`) and copies out or reduces from it, and the
+slot is reused once the receiver is done: no page allocation per message on either side.
+
 Whether two workers share ``/dev/shm`` is tested, not guessed: each worker leaves a probe
 file there and publishes its name; a peer is co-located when it can see that file (two
 containers on one machine with private ``/dev/shm`` correctly come out as not co-located).
@@ -16,7 +21,11 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +119,111 @@ def remove_socket(path: str) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+_SLOT_PREFIX = f"{_PREFIX}slot-"
+
+
+def is_slot(name: str) -> bool:
+    return name.startswith(_SLOT_PREFIX)
+
+
+def _mapping(path: str, size: int, create: bool) -> mmap.mmap:
+    fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Slot:
+    """One reusable shared-memory region of a sender; its name carries its capacity."""
+
+    name: str
+    capacity: int
+    memory: torch.Tensor  # uint8 view of the mapping
+
+
+class SlotPool:
+    """A sender's slots, per receiving peer. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[Slot]] = {}
+        self._names: set[str] = set()
+        self._lock = threading.Lock()
+
+    def lend(self, peer: int, data: memoryview | torch.Tensor) -> Slot:
+        """Copy ``data`` (bytes) into a free slot for ``peer`` (a new one if none fits)."""
+        source = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
+        nbytes = source.numel()
+        with self._lock:
+            free = self._free.setdefault(peer, [])
+            slot = next((s for s in free if s.capacity >= nbytes), None)
+            if slot is not None:
+                free.remove(slot)
+        if slot is None:
+            capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())
+            name = f"{_SLOT_PREFIX}{os.getpid()}-{_session}-{next(_names)}-{capacity}"
+            mapping = _mapping(os.path.join(SHM_DIR, name), capacity, create=True)
+            slot = Slot(name, capacity, torch.frombuffer(mapping, dtype=torch.uint8))
+            with self._lock:
+                self._names.add(name)
+        slot.memory[:nbytes].copy_(source)
+        return slot
+
+    def give_back(self, peer: int, slot: Slot) -> None:
+        """The receiver is done with ``slot``: it may be lent again."""
+        with self._lock:
+            self._free.setdefault(peer, []).append(slot)
+
+    def discard(self, slot: Slot) -> None:
+        """The receiver may still read ``slot`` (the call timed out): never reuse it."""
+        with self._lock:
+            self._names.discard(slot.name)
+        remove([slot.name])
+
+    def close(self) -> None:
+        with self._lock:
+            names, self._names = list(self._names), set()
+            self._free.clear()
+        remove(names)
+
+
+class Borrowings:
+    """A receiver's mappings of its peers' slots, by name (mapped once, file unlinked then:
+    both sides hold mappings, so nothing is left behind if either dies)."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def view(self, name: str, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``name`` (uint8), valid until the sender reuses it."""
+        with self._lock:
+            memory = self._mapped.get(name)
+        if memory is None:
+            if "/" in name or not is_slot(name):
+                raise ValueError(f"not an rpcdist slot: {name!r}")
+            capacity = int(name.rsplit("-", 1)[1])
+            memory = torch.frombuffer(
+                _mapping(os.path.join(SHM_DIR, name), capacity, create=False), dtype=torch.uint8
+            )
+            remove([name])
+            with self._lock:
+                self._mapped[name] = memory
+        if nbytes > memory.numel():
+            raise ValueError(f"slot {name} holds {memory.numel()} bytes, {nbytes} announced")
+        return memory[:nbytes]
+
+    def copy(self, name: str, nbytes: int) -> memoryview:
+        """A private, writable copy of the first ``nbytes`` of slot ``name``."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        out.copy_(self.view(name, nbytes))
+        return memoryview(out.numpy())
+
+
+borrowings = Borrowings()

@@ -252,7 +252,10 @@ class Assembly:
         for size, name in zip(header.buffer_sizes, shared, strict=True):
             if name:
                 try:
-                    self.buffers.append(shm.adopt(name, size))
+                    if shm.is_slot(name):  # lent: copy out, the sender reuses the slot
+                        self.buffers.append(shm.borrowings.copy(name, size))
+                    else:  # handed over: the mapping becomes ours
+                        self.buffers.append(shm.adopt(name, size))
                 except (OSError, ValueError) as exc:
                     self.error = exc
                     self.buffers.append(memoryview(bytearray()))
