@@ -131,16 +131,25 @@ async def all_reduce(ex: Exchange, tensor: torch.Tensor, op: ReduceOp) -> None:
         await _all_reduce_ring(ex, tensor, op)
 
 
+def _reduce_in_rank_order(
+    ex: Exchange, received: dict[int, torch.Tensor], own: torch.Tensor, op: ReduceOp
+) -> torch.Tensor:
+    """Combine every rank's contribution in rank order (so all ranks get bit-identical
+    results) into a fresh tensor; received ones may be lent views, never written."""
+    parts = {**received, ex.me: own}
+    acc = parts[0].clone()
+    for r in range(1, ex.size):
+        combine(op, acc, parts[r])
+    finish(op, acc, ex.size)
+    return acc
+
+
 async def _all_reduce_direct(ex: Exchange, tensor: torch.Tensor, op: ReduceOp) -> None:
     meta = signature(tensor)
     for r in ex.others():
         ex.send(r, 0, tensor, meta)
     received = {r: await ex.recv(r, 0, meta) for r in ex.others()}
-    received[ex.me] = tensor.clone()
-    acc = received[0].clone() if ex.me != 0 else received[0]
-    for r in range(1, ex.size):
-        combine(op, acc, received[r])
-    finish(op, acc, ex.size)
+    acc = _reduce_in_rank_order(ex, received, tensor, op)
     await ex.flush()
     tensor.copy_(acc)
 
@@ -172,12 +181,7 @@ async def reduce(ex: Exchange, tensor: torch.Tensor, dst: int, op: ReduceOp) -> 
         await ex.flush()
         return
     received = {r: await ex.recv(r, 0, meta) for r in ex.others()}
-    received[ex.me] = tensor.clone()
-    acc = received[0].clone() if ex.me != 0 else received[0]
-    for r in range(1, ex.size):
-        combine(op, acc, received[r])
-    finish(op, acc, ex.size)
-    tensor.copy_(acc)
+    tensor.copy_(_reduce_in_rank_order(ex, received, tensor, op))
     ex.release()
 
 
@@ -194,11 +198,7 @@ async def reduce_scatter(
             )
         ex.send(r, 0, inputs[r], meta)
     received = {r: await ex.recv(r, 0, meta) for r in ex.others()}
-    received[ex.me] = inputs[ex.me].clone()
-    acc = received[0].clone() if ex.me != 0 else received[0]
-    for r in range(1, ex.size):
-        combine(op, acc, received[r])
-    finish(op, acc, ex.size)
+    acc = _reduce_in_rank_order(ex, received, inputs[ex.me], op)
     await ex.flush()
     output.copy_(acc)
 

@@ -345,18 +345,9 @@ class RpcAgent:
             raise RpcError(f"worker {self.info.name} is shut down; call init_rpc first")
         dest = self.worker(to)
         name = function_name or serialization.check_importable(func)
-        with capturing_forks() as forks:
-            try:
-                payload, buffers = serialization.dumps((func, tuple(args or ()), dict(kwargs or {})))
-                size = len(payload) + sum(len(b) for b in buffers)
-                if size > self.options.max_payload_bytes:
-                    raise PayloadTooLargeError(
-                        f"call to {name} on {dest.name} carries {size} bytes, above max_payload_bytes="
-                        f"{self.options.max_payload_bytes}"
-                    )
-            except BaseException:
-                self.rrefs.release_children(forks)  # the RRefs in it never left
-                raise
+        payload, buffers, forks = self._pickle(
+            (func, tuple(args or ()), dict(kwargs or {})), f"call to {name} on {dest.name}"
+        )
         if timeout is None or timeout < 0:
             timeout = self.options.rpc_timeout
         future: Future[Any] = Future(loop=self.loop)
@@ -657,19 +648,25 @@ class RpcAgent:
 
         session.track(call_id, self.loop.create_task(complete()))
 
-    def _encode_result(self, session: _InboundSession, call_id: int, function: str, result: Any) -> Entries:
+    def _pickle(self, obj: Any, what: str) -> tuple[bytes, list[memoryview], list[int]]:
+        """Pickle a message within the size limit; returns it with the fork tokens of the
+        RRefs inside, whose holds are given back if it cannot be sent."""
         with capturing_forks() as forks:
             try:
-                payload, buffers = serialization.dumps(result)
+                payload, buffers = serialization.dumps(obj)
                 size = len(payload) + sum(len(b) for b in buffers)
                 if size > self.options.max_payload_bytes:
                     raise PayloadTooLargeError(
-                        f"the result of {function} is {size} bytes, above max_payload_bytes="
-                        f"{self.options.max_payload_bytes}"
+                        f"{what} carries {size} bytes, "
+                        f"above max_payload_bytes={self.options.max_payload_bytes}"
                     )
             except BaseException:
-                self.rrefs.release_children(forks)
+                self.rrefs.release_children(forks)  # the RRefs in it never left
                 raise
+        return payload, buffers, forks
+
+    def _encode_result(self, session: _InboundSession, call_id: int, function: str, result: Any) -> Entries:
+        payload, buffers, _ = self._pickle(result, f"the result of {function}")
         shared = self._share(session.caller_rank, buffers)
         if shared:
             session.remember_exported(shared)
