@@ -416,6 +416,12 @@ def _transport_checks() -> None:  # noqa: C901 - a list of independent checks
         assert torch.equal(x, y), "the 256 MiB tensor came back different"
         del x, y
 
+    with check("large_1gib"):
+        x = torch.arange(1 << 28, dtype=torch.float32)  # 1 GiB
+        y = rpc.rpc_sync("w1", rf.echo, (x,), timeout=300)
+        assert torch.equal(x, y), "the 1 GiB tensor came back different"
+        del x, y
+
 
 def _api_checks() -> None:  # noqa: C901 - a list of independent checks
     with check("concurrency_1000"):

@@ -37,7 +37,7 @@ def grpc_only(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
         "data_transport",
         2,
         "tcp",
-        params={"shm_threshold_bytes": 0},
+        params={"shm_threshold_bytes": 0, "transport": "grpc"},
         timeout=300,
     )
 
@@ -76,6 +76,10 @@ def test_buffers_across_chunk_boundaries(transport: GroupRun) -> None:
 
 def test_256_mib_tensor_round_trip(transport: GroupRun) -> None:
     transport.check("large_256mib")
+
+
+def test_1_gib_tensor_round_trip(transport: GroupRun) -> None:
+    transport.check("large_1gib")
 
 
 def test_1000_calls_in_flight(run: GroupRun) -> None:
