@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 import traceback
 from typing import Any
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-MiB = 1 << 20
+import _harness as H
+from _harness import MiB
+
 GRPC_SERVICE = "rpcbench.Raw"
 GRPC_OPTIONS = [
     # Only what a 64 MB unary message needs; everything else stays at grpc's defaults so the
@@ -40,72 +40,12 @@ GRPC_OPTIONS = [
 
 
 # ------------------------------------------------------------------------------------------------
-# process setup shared by every child
+# shared by every child
 # ------------------------------------------------------------------------------------------------
-def _child_setup(stack_file: str | None, lifeline: Any) -> Any:
-    """Die with the orchestrator, make the benchmark functions importable, arm stack dumps.
-
-    ``lifeline`` is the read end of a pipe only the orchestrator writes to: when it dies (even
-    by SIGKILL) the pipe reports EOF and this process exits. PR_SET_PDEATHSIG alone is not
-    enough: a forkserver child's parent is the forkserver, which outlives the orchestrator as
-    long as any of its children do.
-    """
-    import threading
-
-    def watch() -> None:
-        try:
-            lifeline.recv()  # blocks without CPU; nothing is ever sent
-        except (EOFError, OSError):
-            pass
-        os._exit(70)
-
-    threading.Thread(target=watch, name="rpcbench-lifeline", daemon=True).start()
-    try:  # PR_SET_PDEATHSIG: a SIGKILLed orchestrator must not leave orphans burning CPU
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent already died before prctl took effect
-            os._exit(3)
-    except Exception:
-        pass
-    if BENCH_DIR not in sys.path:
-        sys.path.insert(0, BENCH_DIR)
-    # The orchestrator's stdout carries only the table: children write to stderr.
-    sys.stdout.flush()
-    os.dup2(2, 1)
-    import logging
-    import warnings
-
-    logging.basicConfig(
-        level=logging.WARNING, format=f"[pid {os.getpid()}] %(levelname)s %(name)s: %(message)s"
-    )
-    warnings.filterwarnings("ignore", category=UserWarning)
-    handle = None
-    if stack_file:
-        import faulthandler
-        import signal
-
-        handle = open(stack_file, "w")  # noqa: SIM115 - must stay open for the process's life
-        faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
-    return handle
-
-
 def _stats_ns(samples_ns: list[int]) -> dict[str, float]:
     """Per-call times (ns) -> median / p10 / p90 / mean in µs."""
-    s = sorted(samples_ns)
-    n = len(s)
-
-    def pct(p: float) -> float:
-        return s[min(n - 1, int(p * n))] / 1e3
-
-    return {
-        "median_us": statistics.median(s) / 1e3,
-        "p10_us": pct(0.10),
-        "p90_us": pct(0.90),
-        "mean_us": sum(s) / n / 1e3,
-        "n": n,
-    }
+    n = len(samples_ns)
+    return {**H.percentiles_us(samples_ns), "mean_us": sum(samples_ns) / n / 1e3, "n": n}
 
 
 class _Reporter:
@@ -142,7 +82,7 @@ def rpc_worker(
     system: str, rank: int, init_method: str, conn: Any, cfg: dict[str, Any], stack_file: str, lifeline: Any
 ) -> None:
     """Entry point of one member of a 2-process RPC group of ``system`` ("torch" or "rpcdist")."""
-    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    _keep = H.child_setup(stack_file, lifeline, "rpcbench")  # noqa: F841
     name = "caller" if rank == 0 else "callee"
     if system == "torch":
         import torch.distributed.rpc as rpc
@@ -372,7 +312,7 @@ def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -
 # raw grpc.aio: a generic-handler server and an asyncio client, bytes in / bytes out
 # ------------------------------------------------------------------------------------------------
 def grpc_server(conn: Any, stack_file: str, lifeline: Any) -> None:
-    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    _keep = H.child_setup(stack_file, lifeline, "rpcbench")  # noqa: F841
     import asyncio
 
     import grpc
@@ -413,7 +353,7 @@ def grpc_server(conn: Any, stack_file: str, lifeline: Any) -> None:
 
 
 def grpc_client(port: int, conn: Any, cfg: dict[str, Any], stack_file: str, lifeline: Any) -> None:
-    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    _keep = H.child_setup(stack_file, lifeline, "rpcbench")  # noqa: F841
     import asyncio
 
     import grpc

@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 import traceback
 from typing import Any
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-MiB = 1 << 20
-KiB = 1 << 10
+import _harness as H
+from _harness import KiB, MiB
 
 
 # ------------------------------------------------------------------------------------------------
@@ -63,54 +61,6 @@ def iterations(cfg: dict[str, Any], kind: str, size: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 # process setup
 # ------------------------------------------------------------------------------------------------
-def _child_setup(stack_file: str | None, lifeline: Any) -> Any:
-    """Die with the orchestrator, make the benchmark modules importable, arm stack dumps.
-
-    ``lifeline`` is the read end of a pipe only the orchestrator writes to: when it dies (even
-    by SIGKILL) the pipe reports EOF and this process exits. PR_SET_PDEATHSIG alone is not
-    enough: a forkserver child's parent is the forkserver, which outlives the orchestrator as
-    long as any of its children do.
-    """
-    import threading
-
-    def watch() -> None:
-        try:
-            lifeline.recv()  # blocks without CPU; nothing is ever sent
-        except (EOFError, OSError):
-            pass
-        os._exit(70)
-
-    threading.Thread(target=watch, name="c10dbench-lifeline", daemon=True).start()
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(3)
-    except Exception:
-        pass
-    if BENCH_DIR not in sys.path:
-        sys.path.insert(0, BENCH_DIR)
-    sys.stdout.flush()
-    os.dup2(2, 1)  # the orchestrator's stdout carries only the table
-    import logging
-    import warnings
-
-    logging.basicConfig(
-        level=logging.WARNING, format=f"[pid {os.getpid()}] %(levelname)s %(name)s: %(message)s"
-    )
-    warnings.filterwarnings("ignore", category=UserWarning)
-    handle = None
-    if stack_file:
-        import faulthandler
-        import signal
-
-        handle = open(stack_file, "w")  # noqa: SIM115 - must stay open for the process's life
-        faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
-    return handle
-
-
 def _injected(var: str, system: str, phase: str, rank: int, default_rank: int) -> bool:
     spec = os.environ.get(var, "")
     for item in filter(None, spec.split(",")):
@@ -141,7 +91,7 @@ def rank_main(
     lifeline: Any,
 ) -> None:
     """Entry point of rank ``rank`` of a ``world``-process group of ``system``."""
-    _keep = _child_setup(stack_file, lifeline)  # noqa: F841
+    _keep = H.child_setup(stack_file, lifeline, "c10dbench")  # noqa: F841
     from datetime import timedelta
 
     import torch

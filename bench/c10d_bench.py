@@ -32,13 +32,8 @@ that system and world size. Progress and tracebacks go to stderr, the table to s
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import platform
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,16 +46,12 @@ if BENCH_DIR not in sys.path:  # children get this sys.path too, so they import 
     sys.path.insert(0, BENCH_DIR)
 
 import _c10d_workers as W  # noqa: E402
+import _harness as H  # noqa: E402
+from _harness import KiB, MiB, free_port, load_delta, load_snapshot, log, reap, start  # noqa: E402
 
-MiB, KiB = W.MiB, W.KiB
 SYSTEMS = ("gloo", "rpcdist")
 LARGE_TARGET, SMALL_TARGET = 1.5, 3.0  # rpcdist/gloo time ratios aimed for
-_T0 = time.monotonic()
-_LIVE: list[Any] = []  # every process started and not yet reaped
-
-
-def log(msg: str) -> None:
-    print(f"[c10d-bench {time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+H.set_name("c10d-bench")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -116,131 +107,17 @@ def size_text(size: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# processes and machine load
+# processes
 # ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        data = f.read()
-    fields = data[data.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_cpu() -> tuple[float, float]:
-    """Seconds of CPU the whole machine spent busy, and stolen by the hypervisor (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    tck = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq) / tck, steal / tck
-
-
-def load_snapshot(pids: list[int]) -> dict[str, float]:
-    busy, steal = machine_cpu()
-    ours = sum(os.times()[:2])
-    for pid in pids:
-        try:
-            ours += cpu_seconds(pid)
-        except (OSError, ValueError, IndexError):
-            pass
-    return {"t": time.monotonic(), "busy": busy, "steal": steal, "ours": ours}
-
-
-def foreign_load(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Cores used by other work on the machine (not this benchmark) between two snapshots."""
-    wall = max(1e-9, b["t"] - a["t"])
-    return {
-        "foreign_core_s": max(0.0, (b["busy"] - a["busy"]) - (b["ours"] - a["ours"])),
-        "steal_core_s": b["steal"] - a["steal"],
-        "seconds": wall,
-    }
-
-
-def machine_probe() -> dict[str, float]:
-    """How fast this machine is right now (to compare with the baselines' machine)."""
-    import numpy as np
-
-    a = np.ones(16 << 20, dtype=np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
-    loop = min(_timed(lambda: sum(range(1_000_000))) for _ in range(3))
-    return {"memcpy_GBps": a.nbytes / best / 1e9, "py_Mloops_per_s": 1.0 / loop}
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def start(ctx: Any, name: str, target: Any, args: tuple[Any, ...]) -> Any:
-    p = ctx.Process(target=target, args=args, name=name, daemon=True)
-    p.start()
-    _LIVE.append(p)
-    return p
-
-
-def reap(procs: list[Any], grace: float) -> None:
-    """Join every process; terminate, then kill, whatever is still alive after ``grace`` s."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            log(f"  {p.name} (pid {p.pid}) still alive: terminating")
-            p.terminate()
-            p.join(5)
-        if p.is_alive():
-            log(f"  {p.name} (pid {p.pid}) ignored SIGTERM: killing")
-            p.kill()
-            p.join(5)
-        if p in _LIVE:
-            _LIVE.remove(p)
-
-
-def reap_all() -> None:
-    if _LIVE:
-        reap(list(_LIVE), 0.0)
-
-
 def dump_stacks(procs: list[Any], stack_files: list[str], ranks: list[int] | None = None) -> str:
     """SIGUSR1 live ranks (faulthandler writes all threads' stacks), then read them."""
     ranks = list(range(len(procs))) if ranks is None else ranks
-    for r in ranks:
-        if procs[r].is_alive():
-            try:
-                os.kill(procs[r].pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-    time.sleep(1.5)
-    parts = []
-    for r in ranks:
-        try:
-            with open(stack_files[r]) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
-        parts.append(f"--- rank {r} stacks ---\n{text or '(none written)'}")
-    return "\n".join(parts)
-
-
-_forkserver: Any = None
+    return H.dump_stacks([procs[r] for r in ranks], {f"rank {r}": stack_files[r] for r in ranks})
 
 
 def _context() -> Any:
     """A forkserver that has imported torch (nothing else: no thread, no gRPC state)."""
-    global _forkserver
-    if _forkserver is None:
-        _forkserver = mp.get_context("forkserver")
-        _forkserver.set_forkserver_preload(["torch", "torch.distributed"])
-    return _forkserver
+    return H.forkserver(["torch", "torch.distributed"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,7 +266,7 @@ def drive(
                     failed_at = (msg[1], now)
             elif kind == "measured":
                 if rank == 0 and load_start is not None:
-                    out["load"] = foreign_load(load_start, load_snapshot(pids))
+                    out["load"] = load_delta(load_start, load_snapshot(pids))
             elif kind == "done":
                 done[rank] = True
 
@@ -459,15 +336,9 @@ def combine(per_rank: dict[int, dict[str, Any]], world: int) -> dict[str, Any]:
     """Per iteration, the slowest rank's time; then median / p10 / p90 over iterations (µs)."""
     series = [per_rank[r]["samples_ns"] for r in range(world)]
     n = min(len(s) for s in series)
-    slowest = sorted(max(s[i] for s in series) for i in range(n))
-
-    def pct(p: float) -> float:
-        return slowest[min(n - 1, int(p * n))] / 1e3
-
+    slowest = [max(s[i] for s in series) for i in range(n)]
     return {
-        "median_us": statistics.median(slowest) / 1e3,
-        "p10_us": pct(0.10),
-        "p90_us": pct(0.90),
+        **H.percentiles_us(slowest),
         "n": n,
         "rank_median_us": [per_rank[r]["median_us"] for r in range(world)],
     }
@@ -613,15 +484,7 @@ def collect(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dict[st
                 if res is not None:
                     times.append(res["median_us"])
                     continue
-                err = rnd["errors"].get(row["phase"], "")
-                if err.startswith("HANG"):
-                    problems.append("HANG")
-                elif err.startswith("skipped"):
-                    problems.append("SKIP")
-                elif err.startswith("LOST") or not err:
-                    problems.append("LOST")
-                else:
-                    problems.append("ERR")
+                problems.append(H.problem(rnd["errors"].get(row["phase"], "")))
             med = statistics.median(times) if times else None
             agg[row["id"]][system] = {
                 "times_us": times,
@@ -682,23 +545,14 @@ def render(
                 better(ratio),
             ]
         )
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *table, strict=True)]
-    right = {2, 3, 4, 5}
-
-    def line(cells: list[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in pairs).rstrip()
-
     quick = " (--quick)" if meta["quick"] else ""
     out = [
         f"rpcdist vs gloo (torch.distributed, backend gloo): c10d collectives on 127.0.0.1, float32; "
         f"medians over {meta['repeats']} interleaved round(s) per system and world size{quick}",
         f"targets: send/recv, all_reduce and broadcast of >= 1 MB within {LARGE_TARGET:g}x gloo's time; "
         f"small-message latency (4 KB all_reduce, barrier) within {SMALL_TARGET:g}x",
-        line(header),
-        line(["-" * w for w in widths]),
+        *H.table_lines(header, table, right={2, 3, 4, 5}),
     ]
-    out += [line(r) for r in table]
     out.append("")
     out.append(
         "rpcdist/gloo time: ratio of the median call times, lower is better for rpcdist (for send/recv, "
@@ -715,29 +569,17 @@ def render(
         a = agg[row["id"]]
         parts = []
         for system in SYSTEMS:
-            txt = " ".join(fmt(v) for v in a[system]["values"]) or "-"
-            if a[system]["problems"]:
-                txt += f" [{', '.join(a[system]['problems'])}]"
-            parts.append(f"{system}: {txt}")
+            texts = [fmt(v) for v in a[system]["values"]]
+            parts.append(H.round_values(system, texts, a[system]["problems"]))
         out.append(f"  {row['label']:<44s} {' | '.join(parts)}")
     for w in meta["cfg"]["worlds"]:
         parts = []
         for system in SYSTEMS:
-            loads = [
-                f"{r['load']['foreign_cores']:.2f}" if r.get("load") else "?"
-                for r in rounds
-                if r["system"] == system and r["world"] == w
-            ]
+            loads = H.round_loads([r for r in rounds if r["system"] == system and r["world"] == w])
             if loads:
                 parts.append(f"{system}: {' '.join(loads)}")
         out.append(f"  {f'other load while measuring, world {w} (cores)':<44s} {' | '.join(parts)}")
-    p0, p1 = meta["probe_start"], meta["probe_end"]
-    out.append(
-        f"machine: {meta['cpus']} CPUs, python {meta['python']}, torch {meta['torch']}, "
-        f"rpcdist {meta['rpcdist']}; memcpy {p0['memcpy_GBps']:.1f} / {p1['memcpy_GBps']:.1f} GB/s and "
-        f"{p0['py_Mloops_per_s']:.1f} / {p1['py_Mloops_per_s']:.1f} M python loop iterations/s "
-        f"(start / end); loadavg {meta['loadavg_start'][0]:.2f} / {meta['loadavg_end'][0]:.2f}"
-    )
+    out.append(H.machine_line(meta, ["torch", "rpcdist"]))
     return "\n".join(out)
 
 
@@ -769,13 +611,12 @@ def failures(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one round, 4 KB and 1 MB only: ~1 minute")
-    ap.add_argument(
-        "--repeats", type=int, default=None, help="rounds per system and world (default 5; 1 with --quick)"
-    )
-    ap.add_argument("--json", metavar="PATH", help="write all per-round numbers and failures here")
-    ap.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of gloo,rpcdist (rows stay)"
+    H.add_common_args(
+        ap,
+        quick_help="one round, 4 KB and 1 MB only: ~1 minute",
+        repeats_help="rounds per system and world (default 5; 1 with --quick)",
+        systems=SYSTEMS,
+        systems_help="comma-separated subset of gloo,rpcdist (rows stay)",
     )
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default 2,4)")
     ap.add_argument("--phase-budget", type=float, default=None, help="seconds before a phase counts as hung")
@@ -788,31 +629,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg["worlds"] = [int(w) for w in args.worlds.split(",") if w]
         if any(w < 2 for w in cfg["worlds"]):
             ap.error("world sizes must be >= 2")
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        ap.error(f"unknown systems: {sorted(unknown)}")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-
-    from importlib.metadata import version
-
-    meta = {
-        "quick": args.quick,
-        "repeats": repeats,
-        "cfg": cfg,
-        "systems": systems,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "rpcdist": version("rpcdist"),
-        "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "probe_start": machine_probe(),
-    }
+    repeats, systems = H.repeats_and_systems(ap, args, SYSTEMS)
+    H.exit_on_sigterm()
+    meta = H.start_meta(args, repeats, cfg, systems, ["torch", "rpcdist"])
     log(
         f"start: {repeats} round(s) per system and world, systems {systems}, worlds {cfg['worlds']}, "
         f"loadavg {os.getloadavg()}, machine probe {meta['probe_start']}"
@@ -838,22 +657,18 @@ def main(argv: list[str] | None = None) -> int:
                     res.update(system=system, world=world, rep=rep, seconds=time.monotonic() - t0)
                     hung[(system, world)].update(res["hung"])  # later rounds skip what hung
                     rounds.append(res)
-                    load = res.get("load") or {}
                     log(
                         f"rep {rep + 1}/{repeats}: {system} world {world} round took {res['seconds']:.1f} s "
                         f"in {len(res['groups'])} group(s); other load while measuring "
-                        f"{load.get('foreign_cores', float('nan')):.2f} cores, "
-                        f"steal {load.get('steal_cores', float('nan')):.2f}"
+                        f"{H.load_text(res.get('load'))}"
                     )
                     time.sleep(0.5)  # let the exited processes' CPU settle
     finally:
-        reap_all()
+        H.reap_all()
 
     rows = metric_rows(cfg)
     agg = collect(rows, rounds)
-    meta["probe_end"] = machine_probe()
-    meta["seconds"] = time.monotonic() - _T0
-    meta["loadavg_end"] = os.getloadavg()
+    H.end_meta(meta)
     print(render(rows, agg, meta, rounds))
     fails = failures(rounds)
     if fails:
@@ -881,14 +696,9 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds,
             "failures": fails,
         }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        log(f"wrote {args.json}")
+        H.write_json(args.json, doc)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        reap_all()
+    H.run_main(main)

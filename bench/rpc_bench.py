@@ -41,9 +41,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
-import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,15 +52,21 @@ if BENCH_DIR not in sys.path:  # children get this sys.path too, so they import 
     sys.path.insert(0, BENCH_DIR)
 
 import _bench_workers as W  # noqa: E402
+import _harness as H  # noqa: E402
+from _harness import (  # noqa: E402
+    MiB,
+    cpu_seconds,
+    dump_stacks,
+    foreign_load,
+    free_port,
+    load_snapshot,
+    log,
+    reap,
+    start,
+)
 
-MiB = W.MiB
 SYSTEMS = ("torch", "rpcdist", "grpc")
-_T0 = time.monotonic()
-_LIVE: list[Any] = []  # every process started and not yet reaped
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+H.set_name("bench")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -116,142 +119,18 @@ def make_config(quick: bool) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-# processes
-# ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        data = f.read()
-    fields = data[data.rindex(")") + 2 :].split()  # fields[0] is "state" (field 3)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_cpu() -> tuple[float, float]:
-    """Seconds of CPU the whole machine spent busy, and stolen by the hypervisor (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    tck = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq) / tck, steal / tck
-
-
-def load_snapshot(pids: dict[str, int]) -> dict[str, float]:
-    """Machine-wide busy/steal CPU and the CPU of this process and of the round's processes."""
-    busy, steal = machine_cpu()
-    ours = sum(os.times()[:2])
-    for pid in pids.values():
-        try:
-            ours += cpu_seconds(pid)
-        except (OSError, ValueError, IndexError):
-            pass
-    return {"t": time.monotonic(), "busy": busy, "steal": steal, "ours": ours}
-
-
-def foreign_load(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Cores used by other work on the machine (not this benchmark) between two snapshots."""
-    wall = max(1e-9, b["t"] - a["t"])
-    return {
-        "foreign_cores": max(0.0, (b["busy"] - a["busy"]) - (b["ours"] - a["ours"])) / wall,
-        "steal_cores": (b["steal"] - a["steal"]) / wall,
-        "ours_cores": (b["ours"] - a["ours"]) / wall,
-        "seconds": wall,
-    }
-
-
-def machine_probe() -> dict[str, float]:
-    """How fast this machine is right now (to compare with the baselines' machine)."""
-    import numpy as np
-
-    a = np.ones(16 << 20, dtype=np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
-    loop = min(_timed(lambda: sum(range(1_000_000))) for _ in range(3))
-    return {"memcpy_GBps": a.nbytes / best / 1e9, "py_Mloops_per_s": 1.0 / loop}
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def start(ctx: Any, name: str, target: Any, args: tuple[Any, ...]) -> Any:
-    p = ctx.Process(target=target, args=args, name=name, daemon=True)
-    p.start()
-    _LIVE.append(p)
-    return p
-
-
-def reap(procs: list[Any], grace: float) -> None:
-    """Join every process; terminate, then kill, whatever is still alive after ``grace`` s."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            log(f"  {p.name} (pid {p.pid}) still alive: terminating")
-            p.terminate()
-            p.join(5)
-        if p.is_alive():
-            log(f"  {p.name} (pid {p.pid}) ignored SIGTERM: killing")
-            p.kill()
-            p.join(5)
-        if p in _LIVE:
-            _LIVE.remove(p)
-
-
-def reap_all() -> None:
-    if _LIVE:
-        reap(list(_LIVE), 0.0)
-
-
-def dump_stacks(procs: list[Any], stack_files: dict[str, str]) -> str:
-    """SIGUSR1 every live child (faulthandler writes all threads' stacks), then read them."""
-    for p in procs:
-        if p.is_alive():
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-    time.sleep(1.5)
-    parts = []
-    for role, path in stack_files.items():
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            text = ""
-        parts.append(f"--- {role} stacks ---\n{text or '(none written)'}")
-    return "\n".join(parts)
-
-
-# ------------------------------------------------------------------------------------------------
 # one round of one system
 # ------------------------------------------------------------------------------------------------
-_forkserver: Any = None
-
-
 def _context(system: str) -> Any:
     """How a round's processes start.
 
-    torch / rpcdist pairs fork from a forkserver that has imported torch once (nothing else:
-    no thread, no gRPC state), which saves every pair several seconds of ``import torch``
-    on a loaded 2-core machine; the raw gRPC pair is spawned fresh and never imports torch.
+    torch / rpcdist pairs fork from a forkserver that has imported torch once, which saves
+    every pair several seconds of ``import torch`` on a loaded 2-core machine; the raw gRPC
+    pair is spawned fresh and never imports torch.
     """
-    global _forkserver
     if system == "grpc":
         return mp.get_context("spawn")
-    if _forkserver is None:
-        _forkserver = mp.get_context("forkserver")
-        _forkserver.set_forkserver_preload(["torch"])
-    return _forkserver
+    return H.forkserver(["torch"])
 
 
 def run_round(system: str, cfg: dict[str, Any], skip: set[str]) -> dict[str, Any]:
@@ -340,7 +219,7 @@ def drive(
             if kind == "phase":
                 phase, deadline, phase_t0 = msg[1], time.monotonic() + msg[2], time.monotonic()
                 if start_load is None and phase != "init":
-                    start_load = load_snapshot(out["pids"])
+                    start_load = load_snapshot(out["pids"].values())
             elif kind == "result":
                 out["results"][msg[1]] = msg[2]
                 took = time.monotonic() - phase_t0
@@ -376,7 +255,7 @@ def drive(
                 # Other work competing with the measurements (from the first to the last phase):
                 # machine-wide busy CPU less what this benchmark's processes used.
                 if start_load is not None:
-                    out["load"] = foreign_load(start_load, load_snapshot(out["pids"]))
+                    out["load"] = foreign_load(start_load, load_snapshot(out["pids"].values()))
             elif kind == "done":
                 out["clean"] = True
                 return
@@ -581,10 +460,7 @@ def collect(rows: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dict[st
                 if v is not None:
                     vals.append(v)
                 elif row["phase"] in rnd["errors"]:
-                    err = rnd["errors"][row["phase"]]
-                    problems.append(
-                        "HANG" if err.startswith("HANG") else "SKIP" if err.startswith("skipped") else "ERR"
-                    )
+                    problems.append(H.problem(rnd["errors"][row["phase"]]))
                 elif rnd["hung"] or rnd["errors"]:
                     problems.append("LOST")
             agg[row["id"]][system] = {
@@ -678,21 +554,12 @@ def render(
                 f"{rr:.2f}x" if rr is not None else "-",
             ]
         )
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *table, strict=True)]
-    right = {2, 3, 4, 7, 8}
-
-    def line(cells: list[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in pairs).rstrip()
-
     quick = " (--quick)" if meta["quick"] else ""
     out = [
         f"rpcdist vs torch.distributed.rpc (TensorPipe defaults) vs raw grpc.aio, 2 processes on 127.0.0.1: "
         f"medians over {meta['repeats']} interleaved round(s) per system{quick}",
-        line(header),
-        line(["-" * w for w in widths]),
+        *H.table_lines(header, table, right={2, 3, 4, 7, 8}),
     ]
-    out += [line(r) for r in table]
     out.append("")
     out.append(
         "rpcdist/torch and rpcdist/raw are ratios of the medians; 'better when' says which direction "
@@ -714,29 +581,16 @@ def render(
                 continue
             if not row["raw"] and system == "grpc":
                 continue
-            vals = a[system]["values"]
-            txt = " ".join(fmt(v, row["unit"]) for v in vals) or "-"
-            if a[system]["problems"]:
-                txt += f" [{', '.join(a[system]['problems'])}]"
-            parts.append(f"{system}: {txt}")
+            texts = [fmt(v, row["unit"]) for v in a[system]["values"]]
+            parts.append(H.round_values(system, texts, a[system]["problems"]))
         out.append(f"  {row['label']:<48s} {' | '.join(parts)}")
     parts = []
     for system in SYSTEMS:
-        loads = [
-            f"{r['load']['foreign_cores']:.2f}" if r.get("load") else "?"
-            for r in rounds
-            if r["system"] == system
-        ]
+        loads = H.round_loads([r for r in rounds if r["system"] == system])
         if loads:
             parts.append(f"{system}: {' '.join(loads)}")
     out.append(f"  {'other load while measuring (cores, per round)':<48s} {' | '.join(parts)}")
-    p0, p1 = meta["probe_start"], meta["probe_end"]
-    out.append(
-        f"machine: {meta['cpus']} CPUs, python {meta['python']}, torch {meta['torch']}, "
-        f"grpcio {meta['grpcio']}; memcpy {p0['memcpy_GBps']:.1f} / {p1['memcpy_GBps']:.1f} GB/s and "
-        f"{p0['py_Mloops_per_s']:.1f} / {p1['py_Mloops_per_s']:.1f} M python loop iterations/s "
-        f"(start / end); loadavg {meta['loadavg_start'][0]:.2f} / {meta['loadavg_end'][0]:.2f}"
-    )
+    out.append(H.machine_line(meta, ["torch", "grpcio"]))
     return "\n".join(out)
 
 
@@ -759,13 +613,12 @@ def failures_text(rounds: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="few iterations, 10,000 RRefs, one round: < 90 s")
-    ap.add_argument("--repeats", type=int, default=None, help="rounds per system (default 5; 1 with --quick)")
-    ap.add_argument("--json", metavar="PATH", help="write all per-round numbers and failures here")
-    ap.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        help="comma-separated subset of torch,rpcdist,grpc (the table keeps every row)",
+    H.add_common_args(
+        ap,
+        quick_help="few iterations, 10,000 RRefs, one round: < 90 s",
+        repeats_help="rounds per system (default 5; 1 with --quick)",
+        systems=SYSTEMS,
+        systems_help="comma-separated subset of torch,rpcdist,grpc (the table keeps every row)",
     )
     ap.add_argument("--phase-budget", type=float, default=None, help=argparse.SUPPRESS)  # harness tests
     args = ap.parse_args(argv)
@@ -773,32 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = make_config(args.quick)
     if args.phase_budget is not None:
         cfg["phase_budget"] = args.phase_budget
-    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        ap.error(f"unknown systems: {sorted(unknown)}")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-
-    from importlib.metadata import version
-
-    meta = {
-        "quick": args.quick,
-        "repeats": repeats,
-        "cfg": cfg,
-        "systems": systems,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "grpcio": version("grpcio"),
-        "rpcdist": version("rpcdist"),
-        "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "probe_start": machine_probe(),
-    }
+    repeats, systems = H.repeats_and_systems(ap, args, SYSTEMS)
+    H.exit_on_sigterm()
+    meta = H.start_meta(args, repeats, cfg, systems, ["torch", "grpcio", "rpcdist"])
     log(
         f"start: {repeats} round(s) per system, systems {systems}, loadavg {os.getloadavg()}, "
         f"machine probe {meta['probe_start']}"
@@ -821,21 +651,17 @@ def main(argv: list[str] | None = None) -> int:
                 if res["hung"]:
                     hung[system].add(res["hung"])  # later rounds skip the phase that hung
                 rounds.append(res)
-                load = res.get("load") or {}
                 log(
                     f"rep {rep + 1}/{repeats}: {system} round took {res['seconds']:.1f} s; while measuring, "
-                    f"other load on the machine {load.get('foreign_cores', float('nan')):.2f} cores, "
-                    f"steal {load.get('steal_cores', float('nan')):.2f}"
+                    f"other load on the machine {H.load_text(res.get('load'))}"
                 )
                 time.sleep(0.5)  # let the exited processes' CPU settle
     finally:
-        reap_all()
+        H.reap_all()
 
     rows = metric_rows(cfg)
     agg = collect(rows, rounds)
-    meta["probe_end"] = machine_probe()
-    meta["seconds"] = time.monotonic() - _T0
-    meta["loadavg_end"] = os.getloadavg()
+    H.end_meta(meta)
     print(render(rows, agg, meta, rounds))
     fails = failures_text(rounds)
     if fails:
@@ -853,14 +679,9 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [{k: v for k, v in row.items() if k != "get"} for row in rows],
             "rounds": rounds,
         }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        log(f"wrote {args.json}")
+        H.write_json(args.json, doc)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    finally:
-        reap_all()
+    H.run_main(main)
