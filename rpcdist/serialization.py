@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rpcdist.autograd import _contexts as autograd_context
 from rpcdist.errors import SerializationError
 
 __all__ = ["dumps", "loads", "check_importable"]
@@ -57,6 +58,23 @@ def _rebuild_tensor(
     return t
 
 
+def _rebuild_received_grad_tensor(
+    buffer: Buffer,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+    context_id: int,
+    src: int,
+    send_id: int,
+) -> torch.Tensor:
+    """A tensor sent inside a distributed autograd context: a leaf whose gradient goes back."""
+    leaf = _rebuild_tensor(buffer, dtype, shape, strides, True, parameter)
+    autograd_context.record_recv(leaf, context_id, src, send_id)
+    return leaf
+
+
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -79,17 +97,19 @@ class _Pickler(pickle.Pickler):
             data = data.contiguous()  # a strided view with gaps: send only its elements
         span = data.as_strided((data.numel(),), (1,), data.storage_offset())
         raw = span.view(torch.uint8) if span.dtype != torch.uint8 else span
-        return (
-            _rebuild_tensor,
-            (
-                pickle.PickleBuffer(raw.numpy()),
-                t.dtype,
-                tuple(data.shape),
-                tuple(data.stride()),
-                t.requires_grad,
-                type(t) is torch.nn.Parameter,
-            ),
+        args = (
+            pickle.PickleBuffer(raw.numpy()),
+            t.dtype,
+            tuple(data.shape),
+            tuple(data.stride()),
+            t.requires_grad,
+            type(t) is torch.nn.Parameter,
         )
+        if t.requires_grad:
+            tag = autograd_context.tag_for_send(t)  # inside a distributed autograd context?
+            if tag is not None:
+                return (_rebuild_received_grad_tensor, (*args, *tag))
+        return (_rebuild_tensor, args)
 
 
 def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
+import functools
 import inspect
 import itertools
 import logging
@@ -28,6 +30,7 @@ from typing import Any
 import grpc
 
 from rpcdist import serialization
+from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import (
     PayloadTooLargeError,
     RemoteError,
@@ -194,6 +197,9 @@ class RpcAgent:
         self._loop_thread_id = threading.get_ident()
         self.shm_probe = shm.create_probe() if options.shm_threshold_bytes > 0 else ""
         self.slots = shm.SlotPool()
+        # Whether calls made inside a distributed autograd context carry it (the RPC agent;
+        # not the one collectives use).
+        self.autograd = False
         self.rrefs = RRefContext(self)
         self._colocated: set[int] = set()
 
@@ -301,7 +307,9 @@ class RpcAgent:
                 return
             self._inbox.post(lambda: done.done() or done.set_result(result))
 
-        self._pool.submit(run)
+        self._pool.submit(
+            functools.partial(contextvars.copy_context().run, run)
+        )  # keeps the autograd context
         result = await done
         if is_async_execution(func) or inspect.isawaitable(result):
             result = await _awaitable(result)
@@ -345,9 +353,11 @@ class RpcAgent:
             raise RpcError(f"worker {self.info.name} is shut down; call init_rpc first")
         dest = self.worker(to)
         name = function_name or serialization.check_importable(func)
-        payload, buffers, forks = self._pickle(
-            (func, tuple(args or ()), dict(kwargs or {})), f"call to {name} on {dest.name}"
-        )
+        autograd_id = autograd_contexts.current_id() if self.autograd else None
+        call_tuple: tuple[Any, ...] = (func, tuple(args or ()), dict(kwargs or {}))
+        if autograd_id is not None:  # the callee joins the distributed autograd context
+            call_tuple += (autograd_id,)
+        payload, buffers, forks = self._pickle(call_tuple, f"call to {name} on {dest.name}", dest.id)
         if timeout is None or timeout < 0:
             timeout = self.options.rpc_timeout
         future: Future[Any] = Future(loop=self.loop)
@@ -538,10 +548,15 @@ class RpcAgent:
         try:
             if isinstance(buffers, Exception):
                 raise buffers
-            func, args, kwargs = serialization.loads(header.payload, buffers)
+            func, args, kwargs, *autograd_id = serialization.loads(header.payload, buffers)
         except Exception as exc:
             self._respond_error(session, call_id, function, exc, loading=True)
             return
+        if autograd_id:  # run (and pickle the result) inside the caller's autograd context
+            run_in = contextvars.copy_context()
+            run_in.run(autograd_contexts.enter, autograd_id[0])
+        else:
+            run_in = None
         if getattr(func, INLINE_ATTR, False):  # rpcdist's own short, non-blocking handlers
             try:
                 result = func(*args, **kwargs)
@@ -557,7 +572,9 @@ class RpcAgent:
         if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
             getattr(func, "_wrapped_async_rpc_function", None)
         ):
-            task = self.loop.create_task(self._run_async(session, call_id, function, func, args, kwargs))
+            task = self.loop.create_task(
+                self._run_async(session, call_id, function, func, args, kwargs), context=run_in
+            )
             session.track(call_id, task)
             if header.timeout_seconds > 0:
                 deadline = self.loop.call_later(header.timeout_seconds, task.cancel)
@@ -566,9 +583,10 @@ class RpcAgent:
             job = _ThreadJob()
             session.track(call_id, job)
             deadline = time.monotonic() + header.timeout_seconds if header.timeout_seconds > 0 else None
-            self._pool.submit(
-                lambda: self._run_blocking(session, call_id, function, func, args, kwargs, job, deadline)
+            blocking = functools.partial(
+                self._run_blocking, session, call_id, function, func, args, kwargs, job, deadline
             )
+            self._pool.submit(blocking if run_in is None else functools.partial(run_in.run, blocking))
 
     def _settle_inline(self, session: _InboundSession, call_id: int, function: str, done: Any) -> None:
         session.untrack(call_id)
@@ -648,10 +666,12 @@ class RpcAgent:
 
         session.track(call_id, self.loop.create_task(complete()))
 
-    def _pickle(self, obj: Any, what: str) -> tuple[bytes, list[memoryview], list[int]]:
-        """Pickle a message within the size limit; returns it with the fork tokens of the
-        RRefs inside, whose holds are given back if it cannot be sent."""
-        with capturing_forks() as forks:
+    def _pickle(self, obj: Any, what: str, peer: int) -> tuple[bytes, list[memoryview], list[int]]:
+        """Pickle a message for ``peer`` within the size limit; returns it with the fork tokens
+        of the RRefs inside, whose holds are given back if it cannot be sent. Inside a
+        distributed autograd context, its tensors requiring grad are recorded as sends."""
+        autograd_id = autograd_contexts.current_id() if self.autograd else None
+        with capturing_forks() as forks, autograd_contexts.pickling_for(autograd_id, peer):
             try:
                 payload, buffers = serialization.dumps(obj)
                 size = len(payload) + sum(len(b) for b in buffers)
@@ -666,7 +686,7 @@ class RpcAgent:
         return payload, buffers, forks
 
     def _encode_result(self, session: _InboundSession, call_id: int, function: str, result: Any) -> Entries:
-        payload, buffers, _ = self._pickle(result, f"the result of {function}")
+        payload, buffers, _ = self._pickle(result, f"the result of {function}", session.caller_rank)
         shared = self._share(session.caller_rank, buffers)
         if shared:
             session.remember_exported(shared)

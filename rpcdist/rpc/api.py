@@ -18,6 +18,7 @@ from typing import Any
 
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, release_loop
+from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future
 from rpcdist.rpc.agent import RpcAgent
@@ -68,6 +69,8 @@ async def init_rpc_async(
     timeout = options.store_timeout
     meeting = await rdv.rendezvous(options.init_method, rank, world_size, timeout)
     agent = RpcAgent(WorkerInfo(name, rank), world_size, options, meeting, loop)
+    agent.autograd = True
+    autograd_contexts.set_worker_rank(rank)
     # Installed before serving: peers may call (and send RRefs) as soon as all have joined,
     # which can be before join_group returns here.
     _agent = agent
@@ -164,6 +167,8 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         raise
     finally:
         _agent = None
+        autograd_contexts.clear()
+        autograd_contexts.set_worker_rank(-1)
         gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
 
 

@@ -1,0 +1,168 @@
+"""Distributed autograd contexts: what each worker recorded about the tensors requiring grad
+that crossed it inside a ``dist_autograd.context()``.
+
+- A tensor requiring grad pickled into an RPC message (argument or result) inside a context
+  becomes a **send**: the sender keeps it (and so its graph) under a send id.
+- On the receiver it is rebuilt as a leaf requiring grad and kept as a **recv**, tagged with
+  the sender's rank and send id, so its gradient can be passed back.
+
+The current context follows the code that runs: a ``contextvars`` variable, set for the body
+of ``with context()`` and, on a callee, for the function an RPC made in a context runs, so
+nested RPCs join the same context. This module depends on torch only, so the serializer can
+consult it without importing the RPC layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["DistAutogradContext", "current_id", "lookup", "create", "release"]
+
+_current: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "rpcdist_autograd_context", default=None
+)
+_contexts: dict[int, DistAutogradContext] = {}
+_registry_lock = threading.Lock()
+_local_ids = itertools.count(1)
+_worker_rank = -1
+_pickling = threading.local()  # .context and .peer while an RPC message is pickled
+
+
+@dataclass(eq=False)
+class DistAutogradContext:
+    """One context on one worker."""
+
+    id: int
+    sends: dict[int, torch.Tensor] = field(default_factory=dict)
+    recvs: dict[int, tuple[torch.Tensor, int, int]] = field(
+        default_factory=dict
+    )  # id(leaf) -> (leaf, src, send)
+    gradients: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # id(leaf) -> (leaf, grad)
+    workers: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _send_ids: Any = field(default_factory=lambda: itertools.count(1))
+
+    def add_send(self, tensor: torch.Tensor, peer: int) -> int:
+        with self.lock:
+            send_id = next(self._send_ids)
+            self.sends[send_id] = tensor
+            self.workers.add(peer)
+        return send_id
+
+    def add_recv(self, leaf: torch.Tensor, src: int, send_id: int) -> None:
+        with self.lock:
+            self.recvs[id(leaf)] = (leaf, src, send_id)
+            self.workers.add(src)
+
+    def recv_of(self, leaf: torch.Tensor) -> tuple[int, int] | None:
+        entry = self.recvs.get(id(leaf))
+        return None if entry is None or entry[0] is not leaf else (entry[1], entry[2])
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.lock:
+            held = self.gradients.get(id(leaf))
+            if held is None:
+                self.gradients[id(leaf)] = (leaf, grad.detach().clone())
+            else:
+                held[1].add_(grad)
+
+    def local_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            return {leaf: grad for leaf, grad in self.gradients.values()}
+
+
+def set_worker_rank(rank: int) -> None:
+    global _worker_rank
+    _worker_rank = rank
+
+
+def worker_rank() -> int:
+    return _worker_rank
+
+
+def current_id() -> int | None:
+    """The context the running code is in (None outside any)."""
+    return _current.get()
+
+
+def create() -> DistAutogradContext:
+    """A new context, unique across workers (the rank is in the high bits of its id)."""
+    if _worker_rank < 0:
+        raise RuntimeError("distributed autograd needs RPC: call rpcdist.rpc.init_rpc(...) first")
+    context_id = (_worker_rank << 40) | next(_local_ids)
+    return lookup(context_id, create=True)  # type: ignore[return-value]
+
+
+def lookup(context_id: int, create: bool = False) -> DistAutogradContext | None:
+    with _registry_lock:
+        context = _contexts.get(context_id)
+        if context is None and create:
+            context = _contexts[context_id] = DistAutogradContext(context_id)
+        return context
+
+
+def release(context_id: int) -> DistAutogradContext | None:
+    with _registry_lock:
+        return _contexts.pop(context_id, None)
+
+
+def count() -> int:
+    with _registry_lock:
+        return len(_contexts)
+
+
+def clear() -> None:
+    with _registry_lock:
+        _contexts.clear()
+
+
+def enter(context_id: int | None) -> None:
+    """Make ``context_id`` current in the running contextvars context (callee side)."""
+    _current.set(context_id)
+
+
+@contextlib.contextmanager
+def entered(context_id: int | None) -> Iterator[None]:
+    """Make ``context_id`` the current context for this block."""
+    token = _current.set(context_id)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
+def pickling_for(context_id: int | None, peer: int) -> Iterator[None]:
+    """While a message for ``peer`` is pickled in ``context_id``, record its grad tensors."""
+    previous = getattr(_pickling, "state", None)
+    _pickling.state = None if context_id is None else (lookup(context_id, create=True), peer)
+    try:
+        yield
+    finally:
+        _pickling.state = previous
+
+
+def tag_for_send(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """Called by the serializer for a tensor requiring grad: (context, src rank, send id)."""
+    state = getattr(_pickling, "state", None)
+    if state is None:
+        return None
+    context, peer = state
+    return context.id, _worker_rank, context.add_send(tensor, peer)
+
+
+def record_recv(leaf: torch.Tensor, context_id: int, src: int, send_id: int) -> None:
+    """Called by the deserializer for a tensor that was sent in a context."""
+    context = lookup(context_id, create=True)
+    assert context is not None
+    context.add_recv(leaf, src, send_id)

@@ -1,0 +1,106 @@
+"""The distributed backward pass (FAST mode, as torch documents it).
+
+Each worker runs its *local* graph as gradients arrive: from the roots on the worker that
+calls ``backward``, and from a send whenever a peer passes back the gradient of a tensor it
+received. A local pass computes the gradients of every leaf the outputs depend on
+(``torch.autograd.grad``, so ``.grad`` is never touched): leaves that are parameters of this
+worker accumulate in the context; leaves that were received from a peer send their gradient
+back to that peer's send, which runs its own local pass, and so on. A pass completes when
+all the passes it started have, so ``backward`` returns once the whole distributed graph is
+done; an error anywhere reaches its caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rpcdist.autograd import _contexts
+from rpcdist.errors import RpcError
+
+
+def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every leaf requiring grad that ``outputs`` depend on (graph walk, no execution)."""
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    stack = []
+    for out in outputs:
+        if out.grad_fn is None:
+            if out.requires_grad:
+                leaves[id(out)] = out
+        else:
+            stack.append(out.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves[id(variable)] = variable
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                stack.append(child)
+    return list(leaves.values())
+
+
+def _local_gradients(
+    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    leaves = _leaves(outputs)
+    if not leaves:
+        return []
+    grads = torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True)
+    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+
+
+async def local_pass(
+    agent: Any,
+    context: _contexts.DistAutogradContext,
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+) -> None:
+    """Run this worker's graph from ``outputs``; pass received leaves' gradients back."""
+    pairs = await agent.run_user_function(_local_gradients, (outputs, grad_outputs), {})
+    passes = []
+    for leaf, grad in pairs:
+        origin = context.recv_of(leaf)
+        if origin is None:
+            context.accumulate(leaf, grad)
+        else:
+            src, send_id = origin
+            passes.append(
+                agent.submit(
+                    src,
+                    backward_from_send,
+                    (context.id, send_id, grad),
+                    None,
+                    0,
+                    function_name="rpcdist.autograd.backward",
+                )
+            )
+    if passes:
+        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+
+
+async def _awaitable(future: Any) -> Any:
+    return await future
+
+
+async def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
+    """On the worker that sent a tensor: continue the backward pass from it."""
+    from rpcdist.rpc import api
+
+    agent = api._current_agent()
+    context = _contexts.lookup(context_id)
+    if context is None:
+        raise RpcError(
+            f"distributed autograd context {context_id} does not exist on worker {agent.info.name}"
+        )
+    tensor = context.sends.get(send_id)
+    if tensor is None:
+        raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
+    await local_pass(agent, context, [tensor], [grad])
