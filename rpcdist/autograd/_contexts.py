@@ -145,7 +145,14 @@ def entered(context_id: int | None) -> Iterator[None]:
 def pickling_for(context_id: int | None, peer: int) -> Iterator[None]:
     """While a message for ``peer`` is pickled in ``context_id``, record its grad tensors."""
     previous = getattr(_pickling, "state", None)
-    _pickling.state = None if context_id is None else (lookup(context_id, create=True), peer)
+    if context_id is None:
+        _pickling.state = None
+    else:
+        context = lookup(context_id, create=True)
+        assert context is not None
+        with context.lock:
+            context.workers.add(peer)  # it will have to release the context too
+        _pickling.state = (context, peer)
     try:
         yield
     finally:
