@@ -51,25 +51,17 @@ def context() -> Iterator[int]:
 
 
 def _release_everywhere(context_id: int) -> None:
+    """Forget the context here and tell every worker it reached (without waiting, as torch:
+    each of them cascades to the workers it involved)."""
     agent = _agent()
     released = _contexts.release(context_id)
     if released is None:
         return
-    futures = []
     for rank in sorted(released.workers - {agent.info.id}):
         try:
-            futures.append(
-                agent.submit(
-                    rank, _release, (context_id,), None, 30.0, function_name="rpcdist.autograd.release"
-                )
-            )
+            agent.submit(rank, _release, (context_id,), None, 30.0, function_name="rpcdist.autograd.release")
         except Exception as exc:  # noqa: BLE001 - a gone worker has nothing to release
             log.debug("cannot release context %s on rank %s: %s", context_id, rank, exc)
-    for future in futures:
-        try:
-            future.wait()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("release of context %s failed: %s", context_id, exc)
 
 
 @inline

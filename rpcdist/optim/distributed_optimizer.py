@@ -24,19 +24,21 @@ __all__ = ["DistributedOptimizer"]
 
 
 class _LocalOptimizer:
-    """Lives on a parameters' owner; a lock keeps concurrent ``step``s (several trainers)
-    from interleaving, as torch's does."""
+    """Lives on a parameters' owner. One lock per process (as torch's) serializes every
+    ``step`` there: trainers with their own DistributedOptimizers over the same parameters
+    must not interleave setting ``.grad`` and stepping."""
+
+    _step_lock = threading.Lock()
 
     def __init__(
         self, optimizer_class: type[torch.optim.Optimizer], params: list[RRef[Any]], *args: Any, **kwargs: Any
     ):
         self._params = [rref.local_value() for rref in params]
         self._optimizer = optimizer_class(self._params, *args, **kwargs)
-        self._lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
         gradients = get_gradients(context_id)
-        with self._lock:
+        with _LocalOptimizer._step_lock:
             for param in self._params:
                 param.grad = gradients.get(param)
             self._optimizer.step()

@@ -293,10 +293,26 @@ class RpcAgent:
         self.rrefs.close()
         self._closed = True
 
-    async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """Run a user function the way calls run: ``async def`` on the loop, others on the pool."""
-        if inspect.iscoroutinefunction(func):
-            return await func(*args, **kwargs)
+    def start_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
+        """Start a user function the way calls run (``async def`` on the loop, others on the
+        pool, in the current autograd context); returns a future of its result. Loop only."""
+        if inspect.iscoroutinefunction(func) or is_async_execution(func):
+            return self.loop.create_task(self.run_user_function(func, args, kwargs))
+        if getattr(func, INLINE_ATTR, False):  # one of rpcdist's own loop-side handlers
+            done = self.loop.create_future()
+            try:
+                result = func(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001
+                done.set_exception(exc)
+                return done
+            if isinstance(result, asyncio.Future):
+                return result
+            done.set_result(result)
+            return done
+        return self._on_pool(func, args, kwargs)
+
+    def _on_pool(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
+        """Run a blocking function on the worker pool (keeping the current contextvars)."""
         done = self.loop.create_future()
 
         def run() -> None:
@@ -307,10 +323,17 @@ class RpcAgent:
                 return
             self._inbox.post(lambda: done.done() or done.set_result(result))
 
-        self._pool.submit(
-            functools.partial(contextvars.copy_context().run, run)
-        )  # keeps the autograd context
-        result = await done
+        self._pool.submit(functools.partial(contextvars.copy_context().run, run))
+        return done
+
+    async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Run a user function the way calls run: ``async def`` on the loop, others on the pool."""
+        if inspect.iscoroutinefunction(func):
+            result = await func(*args, **kwargs)
+        elif getattr(func, INLINE_ATTR, False):
+            result = await self.start_user_function(func, args, kwargs)
+        else:
+            result = await self._on_pool(func, args, kwargs)
         if is_async_execution(func) or inspect.isawaitable(result):
             result = await _awaitable(result)
         return result
@@ -558,16 +581,17 @@ class RpcAgent:
         else:
             run_in = None
         if getattr(func, INLINE_ATTR, False):  # rpcdist's own short, non-blocking handlers
+            within = run_in.run if run_in is not None else _call
             try:
-                result = func(*args, **kwargs)
+                result = within(func, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - goes back to the caller
                 self._respond_error(session, call_id, function, exc)
                 return
             if isinstance(result, asyncio.Future):  # answer once it settles (e.g. a loan returned)
                 session.track(call_id, result)
-                result.add_done_callback(lambda f: self._settle_inline(session, call_id, function, f))
+                result.add_done_callback(lambda f: within(self._settle_inline, session, call_id, function, f))
                 return
-            self._respond(session, call_id, function, result)
+            within(self._respond, session, call_id, function, result)
             return
         if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
             getattr(func, "_wrapped_async_rpc_function", None)
@@ -762,6 +786,10 @@ async def _awaitable(result: Any) -> Any:
     raise TypeError(
         f"an @async_execution function must return a Future or awaitable, not {type(result).__name__}"
     )
+
+
+def _call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return func(*args, **kwargs)
 
 
 @inline

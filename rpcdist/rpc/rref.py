@@ -219,11 +219,14 @@ class RRefContext:
             self._on_loop(lambda: self.owner_ref_gone(rref_id))
 
     def _on_loop(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop, after anything posted before it (order matters: an owner
+        RRef's registration must precede its finalizer's release)."""
         try:
-            if threading.get_ident() == self.agent._loop_thread_id:
+            agent = self.agent
+            if threading.get_ident() == agent._loop_thread_id and not agent._inbox.pending:
                 fn()
             else:
-                self.agent._inbox.post(fn)
+                agent._inbox.post(fn)
         except RuntimeError:  # loop closed
             pass
 
@@ -423,17 +426,6 @@ class _Proxy:
 
 
 # -- the messages (each runs on the receiving worker's loop, in arrival order) ----------------------
-async def _owned_value(rref_id: RRefId) -> Any:
-    """On the owner: the value of ``rref_id`` once it exists, or a copy of its creation error.
-
-    The stored exception itself is never raised: its traceback would pin the frames (and
-    the RRefs in them) of every caller, and the entry would never be freed.
-    """
-    entry = _context().entry(rref_id)
-    await asyncio.wait({entry.value})
-    return _value_or_copy_of_error(entry.value)
-
-
 def _value_or_copy_of_error(value: asyncio.Future[Any]) -> Any:
     error = value.exception()
     if error is not None:
@@ -441,16 +433,53 @@ def _value_or_copy_of_error(value: asyncio.Future[Any]) -> Any:
     return value.result()
 
 
-async def _fetch(rref_id: RRefId) -> Any:
+def _when_owned(rref_id: RRefId, then: Callable[[Any], Any]) -> Any:
+    """On the owner: ``then(value)`` at once if the value exists (no task, no extra loop
+    turn), else a future of it once the value arrives. A creation error is raised as a copy."""
+    entry = _context().entry(rref_id)
+    if entry.value.done():
+        return then(_value_or_copy_of_error(entry.value))
+    result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def arrived(value: asyncio.Future[Any]) -> None:
+        try:
+            outcome = then(_value_or_copy_of_error(value))
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            result.set_exception(exc)
+            return
+        if isinstance(outcome, asyncio.Future):
+            outcome.add_done_callback(lambda done: _copy_outcome(done, result))
+        else:
+            result.set_result(outcome)
+
+    entry.value.add_done_callback(arrived)
+    return result
+
+
+def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())  # type: ignore[arg-type]
+    else:
+        target.set_result(source.result())
+
+
+@inline
+def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
-    return await _owned_value(rref_id)
+    return _when_owned(rref_id, lambda value: value)
 
 
-async def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+@inline
+def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
     agent = _agent()
-    value = await _owned_value(rref._id)
-    return await agent.run_user_function(getattr(value, method), args, kwargs)
+    return _when_owned(
+        rref._id, lambda value: agent.start_user_function(getattr(value, method), args, kwargs)
+    )
 
 
 @inline

@@ -1,0 +1,147 @@
+"""Distributed autograd and ``DistributedOptimizer``: gradients and updated parameters equal
+those of the same model computed in one process.
+
+Two launches (scenarios in ``autograd_scenarios``, functions in ``autograd_functions``):
+``ag_main`` (3 workers: rank 0 drives; then w0 is a parameter server for trainers w1 and w2;
+then 1,000 iterations and a leak check on every worker) and ``ag_asyncio`` (2 workers, each in
+its own ``asyncio.run``: ``backward_async``, ``step_async``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _harness import GroupRun, ProcSpec, run_processes
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _ImportFirst:
+    """A scenario parameter whose unpickling (in the worker, before the scenario runs) imports
+    ``module``, which registers its scenarios on ``rpc_scenarios`` where ``_harness`` looks."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __reduce__(self) -> Any:
+        return importlib.import_module, (self.module,)
+
+
+def _launch(workdir: Path, scenario: str, world_size: int, timeout: float) -> GroupRun:
+    specs = [
+        ProcSpec(scenario, rank, world_size, {"scenarios": _ImportFirst("autograd_scenarios")})
+        for rank in range(world_size)
+    ]
+    return run_processes(workdir, specs, "env", timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def main(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return _launch(tmp_path_factory.mktemp("ag_main"), "ag_main", 3, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def aio(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return _launch(tmp_path_factory.mktemp("ag_asyncio"), "ag_asyncio", 2, timeout=120)
+
+
+# ============================================================================ 1. split model
+def test_split_model_gradients_on_both_workers(main: GroupRun) -> None:
+    main.check("split/gradients")
+
+
+def test_backward_async_from_a_blocking_program(main: GroupRun) -> None:
+    main.check("split/backward_async_from_sync_program")
+
+
+# ============================================================================ 2. 3-stage chain
+def test_three_stage_chain_with_nested_rpc(main: GroupRun) -> None:
+    main.check("chain/gradients")
+
+
+# ============================================================================ 3. parameter server
+@pytest.mark.parametrize("trainer", [1, 2])
+def test_parameter_server_gradients_per_context(main: GroupRun, trainer: int) -> None:
+    main.check("ps/gradients_per_context", rank=trainer)
+
+
+@pytest.mark.parametrize("trainer", [1, 2])
+def test_parameter_server_parameters_after_steps(main: GroupRun, trainer: int) -> None:
+    main.check("ps/parameters_after_steps", rank=trainer)
+
+
+@pytest.mark.parametrize("trainer", [1, 2])
+def test_parameter_server_concurrent_steps_lose_no_update(main: GroupRun, trainer: int) -> None:
+    main.check("ps/concurrent_steps_serialized", rank=trainer)
+
+
+# ============================================================================ 4. RRefs
+@pytest.mark.parametrize("way", ["proxy_rpc_sync", "proxy_rpc_async", "proxy_remote", "remote_then_to_here"])
+def test_gradients_through_rrefs(main: GroupRun, way: str) -> None:
+    main.check(f"rref/{way}")
+
+
+# ============================================================================ 5. reuse
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sent_twice",
+        "same_tensor_twice_in_one_call",
+        "parameter_sent_itself",
+        "used_locally_and_sent",
+        "remote_parameters_used_twice",
+    ],
+)
+def test_tensor_used_twice_accumulates(main: GroupRun, case: str) -> None:
+    main.check(f"reuse/{case}")
+
+
+# ============================================================================ 6. retain_graph
+def test_retain_graph_twice_accumulates(main: GroupRun) -> None:
+    main.check("retain_graph/twice_accumulates")
+
+
+# ============================================================================ 7. cleanup
+def test_no_context_leaked_after_1000_iterations(main: GroupRun) -> None:
+    main.check("cleanup/1000_iterations")
+
+
+def test_no_context_leaked_by_rpcs_without_grad_tensors(main: GroupRun) -> None:
+    main.check("cleanup/rpc_without_grad_tensors_in_context")
+
+
+# ============================================================================ 8. errors
+@pytest.mark.parametrize("case", ["remote_backward", "nested_remote_backward", "later_backward_works"])
+def test_remote_backward_error_reaches_caller(main: GroupRun, case: str) -> None:
+    main.check(f"error/{case}")
+
+
+# ============================================================================ 9. optimizers
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_distributed_optimizer_matches_local(main: GroupRun, kind: str) -> None:
+    main.check(f"optim/{kind}")
+
+
+def test_main_clean_exit(main: GroupRun) -> None:
+    main.assert_clean_exit()
+
+
+# ============================================================================ asyncio
+def test_backward_async_in_asyncio(aio: GroupRun) -> None:
+    aio.check("asyncio/backward_async")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_step_async_in_asyncio(aio: GroupRun, kind: str) -> None:
+    aio.check(f"asyncio/step_async/{kind}")
+
+
+def test_asyncio_contexts_released(aio: GroupRun) -> None:
+    aio.check("asyncio/contexts_released")
+
+
+def test_asyncio_clean_exit(aio: GroupRun) -> None:
+    aio.assert_clean_exit()
