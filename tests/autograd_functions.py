@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import torch
@@ -135,11 +134,21 @@ def failing_stage(name: str, x: torch.Tensor) -> torch.Tensor:
     return FailingBackward.apply(forward(name, x))
 
 
-class SlowSGD(torch.optim.SGD):
-    """SGD whose step takes a while (as a big model's would): concurrent steps overlap."""
+class OverlappingSGD(torch.optim.SGD):
+    """SGD whose step waits (up to :attr:`WAIT` s) until a second step has started in this
+    process: if nothing serializes the steps of several optimizers, two steps overlap for
+    sure (whatever the machine's load); if something does, the first waits out the timeout."""
+
+    WAIT = 1.5
+    _started = 0
+    _cond = threading.Condition()
 
     def step(self, closure: Any = None) -> Any:
-        time.sleep(0.3)
+        cls = OverlappingSGD
+        with cls._cond:
+            cls._started += 1
+            cls._cond.notify_all()
+            cls._cond.wait_for(lambda: cls._started >= 2, timeout=cls.WAIT)
         return super().step(closure)
 
 

@@ -478,9 +478,9 @@ def _trainer(rank: int) -> None:  # noqa: C901 - one training run with its check
 
     with check("ps/concurrent_steps_serialized"):
         # Both trainers step at once, through their own optimizers over the same parameters
-        # (a slow step makes them overlap). torch serializes concurrent steps on each worker;
-        # neither update may be lost.
-        slow = DistributedOptimizer(af.SlowSGD, ps_rrefs, lr=PS_LR)
+        # (whose steps would overlap, were they not serialized). torch serializes concurrent
+        # steps on each worker; neither update may be lost.
+        slow = DistributedOptimizer(af.OverlappingSGD, ps_rrefs, lr=PS_LR)
         problems.clear()
         expected = train(PS_ITERATIONS, slow, ordered=False)
         barrier("ps/slow/end")

@@ -25,6 +25,7 @@ from rpcdist.collectives.loans import Loan
 from rpcdist.collectives.reduce_ops import ReduceOp, combine, finish
 
 RING_MIN_BYTES = 256 << 10
+DIRECT_MAX_BYTES_PAIR = 4 << 20
 log = logging.getLogger(__name__)
 
 
@@ -41,19 +42,19 @@ class Exchange:
         self._loans: list[Loan] = []
 
     def send(self, to: int, step: int, payload: Any, meta: Any = None, lend: bool = True) -> None:
-        """Send to group rank ``to``. A small tensor is copied now, so the caller may change it
-        at once and nobody waits for its receipt; a large one must stay untouched until
-        :meth:`flush` (the receiver has it)."""
-        small = (
-            isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() < RING_MIN_BYTES
+        """Send to group rank ``to``. A small tensor is copied now and an object pickled now, so
+        nobody waits for their receipt; a large tensor must stay untouched until :meth:`flush`
+        (the receiver has it)."""
+        large = (
+            isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() >= RING_MIN_BYTES
         )
-        if small:
-            payload = payload.clone()
+        if isinstance(payload, torch.Tensor) and not large:
+            payload = payload.clone()  # its bytes are only copied when the writer runs
         future = self.group.send(to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend)
-        if small:
-            future.add_done_callback(_log_failure)
-        else:
+        if large:
             self._sent.append(future)
+        else:  # copied already (objects are pickled in-band right here): nothing to wait for
+            future.add_done_callback(_log_failure)
 
     async def recv(self, source: int, step: int, expect_meta: Any = None) -> Any:
         """The payload ``source`` sent for ``step``. A lent tensor stays valid until
@@ -125,7 +126,9 @@ async def all_reduce(ex: Exchange, tensor: torch.Tensor, op: ReduceOp) -> None:
         finish(op, tensor, 1)
         return
     nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < RING_MIN_BYTES or tensor.numel() < ex.size:
+    # Two ranks move the same bytes either way; the direct exchange takes one step, not two.
+    direct_limit = DIRECT_MAX_BYTES_PAIR if ex.size == 2 else RING_MIN_BYTES
+    if nbytes < direct_limit or tensor.numel() < ex.size:
         await _all_reduce_direct(ex, tensor, op)
     else:
         await _all_reduce_ring(ex, tensor, op)

@@ -210,6 +210,18 @@ async def _init(
             options.store_timeout,
         )
         agent.set_members(members)
+        # Everyone has read the membership before anyone goes on (as torch's store barrier at
+        # the end of init): rank 0 may otherwise finish and exit, taking the store with it,
+        # while a peer is still reading.
+        group_store = PrefixStore(_STORE_PREFIX, meeting.store)
+        await rdv.barrier(group_store, "joined", rank, world_size, options.store_timeout)
+        # ... and the rank hosting the store waits until everyone has seen that (the others
+        # just say so), so it cannot exit, store and all, while a peer still waits above.
+        await group_store.set_async(f"joined-seen/{rank}", b"1")
+        if meeting.server is not None:
+            await group_store.wait_async(
+                [f"joined-seen/{r}" for r in range(world_size)], options.store_timeout
+            )
     except BaseException:
         set_state(None)
         await agent.close(graceful=False)
