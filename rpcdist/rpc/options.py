@@ -56,7 +56,7 @@ class RpcBackendOptions:
     num_worker_threads: int = 16
     max_payload_bytes: int = 16 << 30
     chunk_bytes: int = 1 << 20
-    shm_threshold_bytes: int = 256 << 10
+    shm_threshold_bytes: int = 4 << 20
     transport: str = "auto"
     listen_host: str | None = None
     advertise_host: str | None = None

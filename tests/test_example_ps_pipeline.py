@@ -1,0 +1,78 @@
+"""examples/parameter_server.py and examples/pipeline_parallel.py, each run with --quick.
+
+- parameter_server: a server and two trainers train a digits MLP with distributed autograd and
+  a DistributedOptimizer; the server's parameters must classify the test set far better than
+  chance (0.1).
+- pipeline_parallel: a master drives an MLP split into two stages on two workers, micro-batches
+  pipelined with rpc_async; the training loss must fall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT = 200  # seconds per example; each quick run takes well under a minute on 2 idle cores
+ACCURACY = re.compile(r"result: test accuracy ([\d.]+)")
+LOSSES = re.compile(r"result: first loss ([\d.]+), last loss ([\d.]+)")
+STEP = re.compile(r"^step +(\d+)/(\d+) +loss ([\d.]+)", re.MULTILINE)
+
+
+def run_example(script: str, *args: str, cwd: Path) -> tuple[str, str]:
+    """Run ``examples/<script> args``; returns its stdout and the report to fail with."""
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES_DIR / script), *args],
+        cwd=cwd,  # the examples must not depend on the current directory
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, so a hung run's workers can be killed too
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{script}: no result in {TIMEOUT} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # workers it may have left behind
+    report = f"{script} exited {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    assert proc.returncode == 0, report
+    return stdout, report
+
+
+@pytest.mark.timeout(TIMEOUT + 20)
+def test_parameter_server_quick_learns(tmp_path: Path) -> None:
+    stdout, report = run_example("parameter_server.py", "--quick", cwd=tmp_path)
+    for trainer in ("trainer1", "trainer2"):  # progress lines of both trainers, to the last epoch
+        assert re.search(rf"epoch +3/3 +{trainer} +loss [\d.]+", stdout), report
+    assert "all 3 workers shut down cleanly" in stdout, report
+    match = ACCURACY.search(stdout)
+    assert match is not None, f"no result line\n{report}"
+    accuracy = float(match.group(1))
+    assert accuracy > 0.6, f"test accuracy {accuracy} (chance is 0.1)\n{report}"
+
+
+@pytest.mark.timeout(TIMEOUT + 20)
+def test_pipeline_parallel_quick_loss_falls(tmp_path: Path) -> None:
+    stdout, report = run_example("pipeline_parallel.py", "--quick", cwd=tmp_path)
+    steps = [(int(m.group(1)), int(m.group(2)), float(m.group(3))) for m in STEP.finditer(stdout)]
+    assert steps, f"no step lines\n{report}"
+    assert [s[0] for s in steps] == list(range(1, steps[0][1] + 1)), report  # every step, in order
+    assert "all 3 workers shut down cleanly" in stdout, report
+    match = LOSSES.search(stdout)
+    assert match is not None, f"no result line\n{report}"
+    first, last = float(match.group(1)), float(match.group(2))
+    assert (first, last) == (steps[0][2], steps[-1][2]), report
+    assert last < first, f"the loss did not fall: {first} -> {last}\n{report}"
