@@ -156,8 +156,8 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
             try:
                 if agent.rendezvous.server is not None:
                     await rdv.leave_barrier(store, "exit", agent.world_size, min(remaining() or 30.0, 30.0))
-                else:
-                    await rdv.arrive(store, "exit", agent.world_size)
+                else:  # one message; if the store host is gone there is nobody left to tell
+                    await asyncio.wait_for(rdv.arrive(store, "exit", agent.world_size), 10.0)
             except Exception as exc:
                 log.warning("%s: exit barrier failed: %s", agent.info.name, exc)
         await agent.rendezvous.close()

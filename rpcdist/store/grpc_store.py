@@ -78,8 +78,9 @@ class GrpcStore(Store):
         return self._target
 
     # -- channel -------------------------------------------------------------------------------
-    async def _connected_stub(self) -> store_pb2_grpc.StoreStub:
-        """The stub, once the channel is connected (waits up to ``connect_timeout``)."""
+    async def _connected_stub(self, timeout: float | None = None) -> store_pb2_grpc.StoreStub:
+        """The stub, once the channel is connected (waits up to ``connect_timeout``, or the
+        operation's own ``timeout`` when that is shorter)."""
         if self._closed:
             raise StoreError(f"this client of the store at {self._target} is closed")
         if self._channel is None or self._stub is None:
@@ -88,12 +89,13 @@ class GrpcStore(Store):
         channel = self._channel
         if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
             limit = self.connect_timeout if 0 < self.connect_timeout < math.inf else None
+            if timeout is not None and 0 < timeout < math.inf:
+                limit = timeout + DEADLINE_SLACK if limit is None else min(limit, timeout + DEADLINE_SLACK)
             try:
                 await asyncio.wait_for(channel.channel_ready(), limit)
             except asyncio.TimeoutError:
                 raise StoreError(
-                    f"the store at {self._target} is unreachable "
-                    f"(no connection within {self.connect_timeout:g} s)"
+                    f"the store at {self._target} is unreachable (no connection within {limit:g} s)"
                 ) from None
         return self._stub
 
@@ -115,7 +117,7 @@ class GrpcStore(Store):
                 f"store request for key(s) {list(keys)!r} is {size} bytes, "
                 f"above the {MAX_MESSAGE_BYTES}-byte limit"
             )
-        stub = await self._connected_stub()
+        stub = await self._connected_stub(timeout)
         method: Callable[..., Awaitable[Any]] = getattr(stub, method_name)
         deadline = self._deadline(self._timeout if timeout is None else timeout)
         try:
