@@ -31,9 +31,6 @@ able to import them.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -46,6 +43,7 @@ import rpcdist.rpc as rpc
 from rpcdist.optim import DistributedOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ps_functions, also under `python -m`
+import _launch  # noqa: E402
 import ps_functions  # noqa: E402
 
 SERVER_NAME = "ps"
@@ -117,12 +115,6 @@ def run_worker(rank: int, args: argparse.Namespace) -> None:
         report(args)  # the parameters stay in this process after RPC is shut down
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trainers", type=int, default=2, help="trainer processes (default 2)")
@@ -147,32 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = args.trainers + 1
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    port = os.environ["MASTER_PORT"]
+    port = _launch.use_local_store()
     trainers = f"{args.trainers} trainer{'s' if args.trainers != 1 else ''}"
     say(
         f"starting {world_size} workers: {SERVER_NAME} (rank 0, hosts the store on 127.0.0.1:{port}) "
         f"and {trainers}; digits MLP, SGD lr={args.lr}, batch {args.batch_size}, {args.epochs} epochs"
     )
-    start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker, args=(rank, args)) for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    codes = [proc.exitcode for proc in procs]
-    if codes != [0] * world_size:
-        print(f"some workers failed or hung: exit codes {codes}", file=sys.stderr)
-        return 1
-    say(f"done in {time.perf_counter() - start:.1f} s: all {world_size} workers shut down cleanly")
-    return 0
+    return _launch.run_workers(run_worker, world_size, args, args.timeout, say)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,6 @@ must be able to import them.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -48,6 +45,7 @@ import rpcdist.rpc as rpc
 from rpcdist.optim import DistributedOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pipeline_functions, also under `python -m`
+import _launch  # noqa: E402
 import pipeline_functions as pf  # noqa: E402
 
 MASTER_NAME = "master"
@@ -112,12 +110,6 @@ def run_worker(rank: int, args: argparse.Namespace) -> None:
         rpc.shutdown(timeout=args.timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -147,28 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = args.stages + 1
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    port = os.environ["MASTER_PORT"]
+    port = _launch.use_local_store()
     say(f"starting {world_size} workers; {MASTER_NAME} (rank 0) hosts the store on 127.0.0.1:{port}")
-    start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker, args=(rank, args)) for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    codes = [proc.exitcode for proc in procs]
-    if codes != [0] * world_size:
-        print(f"some workers failed or hung: exit codes {codes}", file=sys.stderr)
-        return 1
-    say(f"done in {time.perf_counter() - start:.1f} s: all {world_size} workers shut down cleanly")
-    return 0
+    return _launch.run_workers(run_worker, world_size, args, args.timeout, say)
 
 
 if __name__ == "__main__":

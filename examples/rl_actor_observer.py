@@ -27,9 +27,6 @@ able to import them.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +37,7 @@ import torch
 import rpcdist.rpc as rpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rl_functions, also under `python -m`
+import _launch  # noqa: E402
 import rl_functions  # noqa: E402
 
 AGENT_NAME = "agent"
@@ -101,12 +99,6 @@ def run_worker(rank: int, args: argparse.Namespace) -> None:
         rpc.shutdown(timeout=args.timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--observers", type=int, default=2, help="observer processes (default 2)")
@@ -143,28 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = args.observers + 1
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    port = os.environ["MASTER_PORT"]
+    port = _launch.use_local_store()
     say(f"starting {world_size} workers; {AGENT_NAME} (rank 0) hosts the store on 127.0.0.1:{port}")
-    start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker, args=(rank, args)) for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.timeout
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    codes = [proc.exitcode for proc in procs]
-    if codes != [0] * world_size:
-        print(f"some workers failed or hung: exit codes {codes}", file=sys.stderr)
-        return 1
-    say(f"done in {time.perf_counter() - start:.1f} s: all {world_size} workers shut down cleanly")
-    return 0
+    return _launch.run_workers(run_worker, world_size, args, args.timeout, say)
 
 
 if __name__ == "__main__":
