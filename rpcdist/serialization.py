@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from rpcdist.autograd import _contexts as autograd_context
 from rpcdist.errors import SerializationError
 
-__all__ = ["dumps", "loads", "check_importable"]
+__all__ = ["dumps", "loads", "check_importable", "rebuild_tensor"]
 
 Buffer = memoryview | bytearray | bytes
+GradReducer = Callable[[torch.Tensor, tuple[Any, ...]], Any]
 
 
 def _dense_span(t: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def _dense_span(t: torch.Tensor) -> bool:
     return True
 
 
-def _rebuild_tensor(
+def rebuild_tensor(
     buffer: Buffer,
     dtype: torch.dtype,
     shape: tuple[int, ...],
@@ -58,24 +58,11 @@ def _rebuild_tensor(
     return t
 
 
-def _rebuild_received_grad_tensor(
-    buffer: Buffer,
-    dtype: torch.dtype,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    requires_grad: bool,
-    parameter: bool,
-    context_id: int,
-    src: int,
-    send_id: int,
-) -> torch.Tensor:
-    """A tensor sent inside a distributed autograd context: a leaf whose gradient goes back."""
-    leaf = _rebuild_tensor(buffer, dtype, shape, strides, True, parameter)
-    autograd_context.record_recv(leaf, context_id, src, send_id)
-    return leaf
-
-
 class _Pickler(pickle.Pickler):
+    def __init__(self, stream: Any, grad_reducer: GradReducer | None, **kwargs: Any) -> None:
+        super().__init__(stream, **kwargs)
+        self._grad_reducer = grad_reducer
+
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
@@ -86,8 +73,7 @@ class _Pickler(pickle.Pickler):
             return obj.__reduce_ex__(5)
         return NotImplemented
 
-    @staticmethod
-    def _reduce_tensor(t: torch.Tensor) -> Any:
+    def _reduce_tensor(self, t: torch.Tensor) -> Any:
         if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
             return NotImplemented  # rare kinds: torch's own (in-band) pickling
         data = t.detach()
@@ -105,22 +91,27 @@ class _Pickler(pickle.Pickler):
             t.requires_grad,
             type(t) is torch.nn.Parameter,
         )
-        if t.requires_grad:
-            tag = autograd_context.tag_for_send(t)  # inside a distributed autograd context?
-            if tag is not None:
-                return (_rebuild_received_grad_tensor, (*args, *tag))
-        return (_rebuild_tensor, args)
+        if t.requires_grad and self._grad_reducer is not None:
+            reduced = self._grad_reducer(t, args)  # e.g. recorded as a distributed autograd send
+            if reduced is not None:
+                return reduced
+        return (rebuild_tensor, args)
 
 
-def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
+def dumps(obj: Any, grad_reducer: GradReducer | None = None) -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj``; returns ``(payload, buffers)`` with tensor/array memory out of band.
+
+    ``grad_reducer(tensor, args)``, if given, may pickle a tensor requiring grad as another
+    ``(callable, args)`` pair (``args`` are :func:`rebuild_tensor`'s) or return None.
 
     Raises :class:`SerializationError` (a ``TypeError``) naming what could not be pickled.
     """
     buffers: list[memoryview] = []
     stream = io.BytesIO()
     try:
-        _Pickler(stream, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
+        _Pickler(stream, grad_reducer, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(
+            obj
+        )
     except Exception as exc:  # pickle raises many types (PicklingError, TypeError, AttributeError)
         raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
     return stream.getvalue(), buffers

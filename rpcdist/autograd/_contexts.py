@@ -8,8 +8,8 @@ that crossed it inside a ``dist_autograd.context()``.
 
 The current context follows the code that runs: a ``contextvars`` variable, set for the body
 of ``with context()`` and, on a callee, for the function an RPC made in a context runs, so
-nested RPCs join the same context. This module depends on torch only, so the serializer can
-consult it without importing the RPC layer.
+nested RPCs join the same context. The agent consults this module only through
+:data:`CALL_EXTENSION`, which ``init_rpc`` installs on it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from rpcdist import serialization
+
 __all__ = ["DistAutogradContext", "current_id", "lookup", "create", "release"]
 
 _current: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -33,7 +35,6 @@ _contexts: dict[int, DistAutogradContext] = {}
 _registry_lock = threading.Lock()
 _local_ids = itertools.count(1)
 _worker_rank = -1
-_pickling = threading.local()  # .context and .peer while an RPC message is pickled
 
 
 @dataclass(eq=False)
@@ -141,31 +142,43 @@ def entered(context_id: int | None) -> Iterator[None]:
         _current.reset(token)
 
 
-@contextlib.contextmanager
-def pickling_for(context_id: int | None, peer: int) -> Iterator[None]:
-    """While a message for ``peer`` is pickled in ``context_id``, record its grad tensors."""
-    previous = getattr(_pickling, "state", None)
-    if context_id is None:
-        _pickling.state = None
-    else:
-        context = lookup(context_id, create=True)
+class _AutogradCalls:
+    """The agent's :class:`~rpcdist.agent.extensions.CallExtension` for distributed autograd:
+    a call made inside a context carries its id, the callee runs in it, and the tensors
+    requiring grad in its messages become sends (and receives on the other side)."""
+
+    def capture(self) -> int | None:
+        return _current.get()
+
+    def enter(self, state: Any) -> None:
+        _current.set(state)
+
+    def tensor_reducer(self, state: Any, peer: int) -> Any:
+        if state is None:
+            return None
+        context = lookup(state, create=True)
         assert context is not None
         with context.lock:
             context.workers.add(peer)  # it will have to release the context too
-        _pickling.state = (context, peer)
-    try:
-        yield
-    finally:
-        _pickling.state = previous
+
+        def reduce(tensor: torch.Tensor, rebuild_args: tuple[Any, ...]) -> Any:
+            send_id = context.add_send(tensor, peer)
+            return (_rebuild_received, (*rebuild_args, context.id, _worker_rank, send_id))
+
+        return reduce
 
 
-def tag_for_send(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """Called by the serializer for a tensor requiring grad: (context, src rank, send id)."""
-    state = getattr(_pickling, "state", None)
-    if state is None:
-        return None
-    context, peer = state
-    return context.id, _worker_rank, context.add_send(tensor, peer)
+CALL_EXTENSION = _AutogradCalls()
+"""Installed on the RPC agent by ``init_rpc``."""
+
+
+def _rebuild_received(*args: Any) -> torch.Tensor:
+    """Unpickles a tensor sent inside a context: a leaf whose gradient goes back to the sender."""
+    *rebuild_args, context_id, src, send_id = args
+    rebuild_args[4] = True  # requires_grad
+    leaf = serialization.rebuild_tensor(*rebuild_args)
+    record_recv(leaf, context_id, src, send_id)
+    return leaf
 
 
 def record_recv(leaf: torch.Tensor, context_id: int, src: int, send_id: int) -> None:

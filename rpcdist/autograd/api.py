@@ -14,20 +14,20 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from rpcdist._runtime import call_blocking, run_on
+from rpcdist.agent import Agent, current_agent
+from rpcdist.agent.markers import inline
 from rpcdist.autograd import _contexts
 from rpcdist.autograd.engine import local_pass
 from rpcdist.errors import RpcError
-from rpcdist.rpc.functions import inline
 
 log = logging.getLogger(__name__)
 
 __all__ = ["context", "backward", "backward_async", "get_gradients"]
 
 
-def _agent():  # type: ignore[no-untyped-def]
-    from rpcdist.rpc import api
-
-    return api._current_agent()
+def _agent() -> Agent:
+    return current_agent()
 
 
 def _context(context_id: int) -> _contexts.DistAutogradContext:
@@ -90,8 +90,6 @@ async def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_
     """Awaitable form of :func:`backward`."""
     context = _context(context_id)
     outputs, grads = _roots(roots)
-    from rpcdist._runtime import run_on
-
     agent = _agent()
     await run_on(agent.loop, local_pass(agent, context, outputs, grads))
 
@@ -103,8 +101,6 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     is left untouched. The graph is kept until the context exits, so calling ``backward``
     again (``retain_graph=True`` in torch) accumulates once more.
     """
-    from rpcdist._runtime import call_blocking
-
     agent = _agent()
     context = _context(context_id)
     outputs, grads = _roots(roots)

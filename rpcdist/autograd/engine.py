@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rpcdist.agent import current_agent
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
 
@@ -92,9 +93,7 @@ async def _awaitable(future: Any) -> Any:
 
 async def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
     """On the worker that sent a tensor: continue the backward pass from it."""
-    from rpcdist.rpc import api
-
-    agent = api._current_agent()
+    agent = current_agent()
     context = _contexts.lookup(context_id)
     if context is None:
         raise RpcError(

@@ -28,6 +28,7 @@ import torch
 
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, current_loop, release_loop
+from rpcdist.agent import Agent, RpcBackendOptions, WorkerInfo
 from rpcdist.collectives import algorithms as algo
 from rpcdist.collectives.group import (
     DEFAULT_TIMEOUT,
@@ -174,8 +175,6 @@ async def _init(
     owns_loop: bool,
 ) -> None:
     from rpcdist.collectives import group
-    from rpcdist.rpc.agent import RpcAgent
-    from rpcdist.rpc.options import RpcBackendOptions, WorkerInfo
 
     if group._state is not None:
         raise DistributedError("the default process group is already initialized")
@@ -191,16 +190,16 @@ async def _init(
         meeting = rdv.Rendezvous(store, None, None)
     else:
         meeting = await rdv.rendezvous(options.init_method, rank, world_size, options.store_timeout)
-    agent = RpcAgent(WorkerInfo(f"c10d-rank{rank}", rank), world_size, options, meeting, loop)
+    agent = Agent(WorkerInfo(f"c10d-rank{rank}", rank), world_size, options, meeting, loop)
     state = _State(rank, world_size, name, seconds, agent, loop, owns_loop, store=meeting.store)
     state.world = ProcessGroup(state, 0, list(range(world_size)), seconds)
     set_state(state)  # before serving: peers may send as soon as everyone has joined
     try:
-        port = await agent.serve(options.listen_host or _listen_host(meeting.host))
+        await agent.serve(options.listen_host or _listen_host(meeting.host))
         advertise = options.listen_host or _listen_host(meeting.host)
         if advertise == "0.0.0.0":
             advertise = rdv.local_address_towards(meeting.host or "8.8.8.8")
-        card = {"address": f"{advertise}:{port}", "shm_probe": agent.shm_probe, "unix": agent.unix_path}
+        card = agent.card(advertise)
         members = await rdv.join_group(
             PrefixStore(_STORE_PREFIX, meeting.store),
             agent.info.name,

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from rpcdist.agent.markers import inline
 from rpcdist.collectives.loans import LOAN_MIN_BYTES, Loan, borrow_tensor, lend_tensor
 from rpcdist.collectives.mailbox import Mailbox
 from rpcdist.errors import RpcdistError
 from rpcdist.futures import Future
-from rpcdist.rpc.functions import inline
-from rpcdist.rpc.shm import SlotPool
+from rpcdist.transport.shm import SlotPool
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rpcdist.rpc import shm
+from rpcdist.transport import shm
 
 LOAN_MIN_BYTES = 256 << 10
 

@@ -18,11 +18,12 @@ from typing import Any
 
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, release_loop
+from rpcdist.agent import Agent, current_agent, set_current_agent
+from rpcdist.agent.options import BackendType, RpcBackendOptions, WorkerInfo
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future
-from rpcdist.rpc.agent import RpcAgent
-from rpcdist.rpc.options import BackendType, RpcBackendOptions, WorkerInfo
+from rpcdist.rpc import rref as rrefs
 from rpcdist.store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -39,17 +40,16 @@ __all__ = [
     "get_all_worker_infos",
 ]
 
-_agent: RpcAgent | None = None
+_agent: Agent | None = None  # also rpcdist.agent.current_agent(), for the layers below
 _owns_loop = False
 _lock = threading.Lock()
 _STORE_PREFIX = "rpc"
 
 
-def _current_agent() -> RpcAgent:
-    agent = _agent
-    if agent is None:
-        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
-    return agent
+def _install(agent: Agent | None) -> None:
+    global _agent
+    _agent = agent
+    set_current_agent(agent)
 
 
 async def init_rpc_async(
@@ -60,7 +60,6 @@ async def init_rpc_async(
     rpc_backend_options: RpcBackendOptions | None = None,
 ) -> None:
     """Join the group as ``name``; everything runs on the calling event loop."""
-    global _agent
     if _agent is not None:
         raise RpcError(f"RPC is already initialized in this process (as {_agent.info.name})")
     options = rpc_backend_options or RpcBackendOptions()
@@ -68,12 +67,13 @@ async def init_rpc_async(
     loop = asyncio.get_running_loop()
     timeout = options.store_timeout
     meeting = await rdv.rendezvous(options.init_method, rank, world_size, timeout)
-    agent = RpcAgent(WorkerInfo(name, rank), world_size, options, meeting, loop)
-    agent.autograd = True
+    agent = Agent(WorkerInfo(name, rank), world_size, options, meeting, loop)
+    agent.extension = autograd_contexts.CALL_EXTENSION  # calls carry the autograd context
     autograd_contexts.set_worker_rank(rank)
     # Installed before serving: peers may call (and send RRefs) as soon as all have joined,
     # which can be before join_group returns here.
-    _agent = agent
+    rrefs.attach(agent)
+    _install(agent)
     try:
         listen = options.listen_host or _default_listen_host(meeting.host)
         port = await agent.serve(listen)
@@ -81,11 +81,11 @@ async def init_rpc_async(
             listen if listen != "0.0.0.0" else rdv.local_address_towards(meeting.host or "8.8.8.8")
         )
         store = PrefixStore(_STORE_PREFIX, meeting.store)
-        card = {"address": f"{advertise}:{port}", "shm_probe": agent.shm_probe, "unix": agent.unix_path}
-        members = await rdv.join_group(store, name, rank, world_size, card, timeout)
+        members = await rdv.join_group(store, name, rank, world_size, agent.card(advertise), timeout)
         agent.set_members(members)
     except BaseException:
-        _agent = None
+        _install(None)
+        rrefs.detach()
         await agent.close(graceful=False)
         await meeting.close()
         raise
@@ -128,7 +128,6 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     0 waits as long as the missing workers are alive (a worker that died ends the wait with a
     warning, never a hang). ``graceful=False`` closes at once.
     """
-    global _agent
     agent = _agent
     if agent is None:
         return
@@ -141,7 +140,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
     try:
         if graceful:
-            agent.rrefs.release_all_users()
+            rrefs.release_all_users()
             await agent.wait_for_outstanding(remaining())
             try:
                 await rdv.barrier(
@@ -150,6 +149,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
             except Exception as exc:  # a peer died or the store is gone: still close below
                 log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
         await agent.close(graceful)
+        rrefs.detach()
         if graceful:
             # The worker hosting the store keeps serving it until every worker has passed the
             # shutdown barrier (they are all on their way out: this takes moments).
@@ -166,13 +166,14 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         await asyncio.shield(_close_quietly(agent))
         raise
     finally:
-        _agent = None
+        _install(None)
+        rrefs.detach()
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
         gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
 
 
-async def _close_quietly(agent: RpcAgent) -> None:
+async def _close_quietly(agent: Agent) -> None:
     try:
         await agent.close(graceful=False)
         await agent.rendezvous.close()
@@ -207,7 +208,7 @@ def rpc_async(
 
     ``timeout`` in seconds: -1 uses the default ``rpc_timeout``, 0 waits without limit.
     """
-    return _current_agent().submit(to, func, args, kwargs, timeout)
+    return current_agent().submit(to, func, args, kwargs, timeout)
 
 
 def rpc_sync(
@@ -232,14 +233,12 @@ def remote(
     timeout: float = -1.0,
 ) -> Any:
     """Run ``func`` on ``to`` and keep the result there; returns an RRef to it."""
-    from rpcdist.rpc.rref import create_remote
-
-    return create_remote(_current_agent(), to, func, args, kwargs, timeout)
+    return rrefs.create_remote(current_agent(), to, func, args, kwargs, timeout)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     """This worker's WorkerInfo, or that of ``worker_name``."""
-    agent = _current_agent()
+    agent = current_agent()
     if worker_name is None:
         return agent.info
     return agent.worker(worker_name)
@@ -247,5 +246,5 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 def get_all_worker_infos() -> list[WorkerInfo]:
     """Every worker of the group, by rank."""
-    agent = _current_agent()
+    agent = current_agent()
     return [agent.workers_by_rank[r] for r in sorted(agent.workers_by_rank)]

@@ -6,10 +6,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR, TORCH_ASYNC_EXECUTION_ATTR
+
 __all__ = ["async_execution"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-ASYNC_EXECUTION_ATTR = "_rpcdist_async_execution"
 
 
 def async_execution(fn: F) -> F:
@@ -29,20 +30,5 @@ def async_execution(fn: F) -> F:
 
     setattr(wrapper, ASYNC_EXECUTION_ATTR, True)
     # torch's own marker, so torch-decorated functions are recognised and vice versa.
-    wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
+    setattr(wrapper, TORCH_ASYNC_EXECUTION_ATTR, fn)
     return wrapper  # type: ignore[return-value]
-
-
-def is_async_execution(fn: Any) -> bool:
-    """Whether ``fn`` was decorated with rpcdist's or torch's ``async_execution``."""
-    return bool(getattr(fn, ASYNC_EXECUTION_ATTR, False) or hasattr(fn, "_wrapped_async_rpc_function"))
-
-
-INLINE_ATTR = "_rpcdist_inline"
-
-
-def inline(func: F) -> F:
-    """Internal: mark one of rpcdist's own handlers to run directly on the callee's loop as
-    the message arrives (no task, no thread). Only for short functions that never block."""
-    setattr(func, INLINE_ATTR, True)
-    return func

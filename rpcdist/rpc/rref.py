@@ -23,53 +23,66 @@ The protocol (the guarantees torch documents for its RRefs, kept with fewer mess
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
+import functools
 import itertools
 import logging
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rpcdist import serialization
+from rpcdist.agent.extensions import on_undelivered
+from rpcdist.agent.markers import inline
+from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RpcError, annotate_remote
 from rpcdist.futures import Future
-from rpcdist.rpc.functions import inline
-from rpcdist.rpc.options import WorkerInfo
+
+if TYPE_CHECKING:
+    from rpcdist.agent import Agent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["RRef", "create_remote", "debug_info"]
+__all__ = ["RRef", "attach", "create_remote", "debug_info", "detach", "release_all_users"]
 
 RRefId = tuple[int, int, int]  # (owner rank, rank that created it, counter there)
 _counter = itertools.count(1)
-_fork_capture = threading.local()
+_current: RRefContext | None = None
 
 
-@contextlib.contextmanager
-def capturing_forks() -> Iterator[list[int]]:
-    """Collect the fork tokens of the RRefs pickled in this block (this thread), so a message
-    that never leaves can give their holds back."""
-    previous = getattr(_fork_capture, "tokens", None)
-    tokens: list[int] = []
-    _fork_capture.tokens = tokens
-    try:
-        yield tokens
-    finally:
-        _fork_capture.tokens = previous
+def attach(agent: Agent) -> RRefContext:
+    """Start the RRef protocol on ``agent`` (``init_rpc``); this process's RRefs use it."""
+    global _current
+    _current = RRefContext(agent)
+    return _current
 
 
-def _agent() -> Any:
-    from rpcdist.rpc import api
+def detach() -> None:
+    """Stop the RRef protocol (``shutdown``): owned values are dropped, no messages sent."""
+    global _current
+    context, _current = _current, None
+    if context is not None:
+        context.close()
 
-    return api._current_agent()
+
+def release_all_users() -> None:
+    """At graceful shutdown: tell every owner this process holds no RRefs any more."""
+    if _current is not None:
+        _current.release_all_users()
 
 
 def _context() -> RRefContext:
-    return _agent().rrefs
+    context = _current
+    if context is None:
+        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+    return context
+
+
+def _agent() -> Agent:
+    return _context().agent
 
 
 class _OwnerEntry:
@@ -84,8 +97,8 @@ class _OwnerEntry:
 class RRefContext:
     """One per agent: the owner table, the user RRefs of this process, and pending forks."""
 
-    def __init__(self, agent: Any) -> None:
-        self._agent = weakref.ref(agent)  # the agent owns this context; no cycle
+    def __init__(self, agent: Agent) -> None:
+        self._agent = weakref.ref(agent)  # never keeps a shut-down agent alive
         self.owned: dict[RRefId, _OwnerEntry] = {}
         self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
         self.pending_children: dict[int, RRef[Any]] = {}
@@ -96,7 +109,7 @@ class RRefContext:
         self._closed = False
 
     @property
-    def agent(self) -> Any:
+    def agent(self) -> Agent:
         agent = self._agent()
         if agent is None:
             raise RpcError("RPC agent is gone (shut down)")
@@ -184,11 +197,6 @@ class RRefContext:
             child = self.pending_children.pop(token, None)
         del child  # possibly the last reference: its finalizer runs here, outside the lock
 
-    def release_children(self, tokens: list[int]) -> None:
-        """Drop the holds of forks whose message never reached its receiver."""
-        for token in tokens:
-            self.release_child(token)
-
     def _user_finalized(self, rref_id: RRefId) -> None:
         with self._lock:
             ref = self.users.get(rref_id)
@@ -222,12 +230,8 @@ class RRefContext:
         """Run ``fn`` on the loop, after anything posted before it (order matters: an owner
         RRef's registration must precede its finalizer's release)."""
         try:
-            agent = self.agent
-            if threading.get_ident() == agent._loop_thread_id and not agent._inbox.pending:
-                fn()
-            else:
-                agent._inbox.post(fn)
-        except RuntimeError:  # loop closed
+            self.agent.on_loop(fn)
+        except RuntimeError:  # loop closed, or the agent is gone
             pass
 
     def release_all_users(self) -> None:
@@ -276,7 +280,7 @@ class RRef(Generic[T]):
         self._id = (agent.info.id, agent.info.id, next(_counter))
         self._confirmed = None
         self._released = False
-        context: RRefContext = agent.rrefs
+        context = _context()
         rref_id = self._id
 
         def install() -> None:
@@ -321,7 +325,7 @@ class RRef(Generic[T]):
                 f"local_value() called on worker {agent.info.name}, but this RRef is owned by "
                 f"{self._owner.name}; use to_here()"
             )
-        entry = agent.rrefs.owned.get(self._id)
+        entry = _context().owned.get(self._id)
         if entry is None or not entry.value.done():
             return self.to_here()
         return _value_or_copy_of_error(entry.value)
@@ -349,8 +353,10 @@ class RRef(Generic[T]):
         result: Future[T] = Future(loop=agent.loop)
         rref_id = self._id
 
+        context = _context()
+
         def watch() -> None:
-            value = agent.rrefs.entry(rref_id).value
+            value = context.entry(rref_id).value
             value.add_done_callback(
                 lambda v: (
                     result._try_complete(None, copy.copy(v.exception()).with_traceback(None))
@@ -359,7 +365,7 @@ class RRef(Generic[T]):
                 )
             )
 
-        agent.rrefs._on_loop(watch)
+        context._on_loop(watch)
         return result
 
     def to_here(self, timeout: float = -1.0) -> T:
@@ -381,12 +387,11 @@ class RRef(Generic[T]):
 
     # -- pickling ----------------------------------------------------------------------------------
     def __reduce__(self) -> Any:
-        agent = _agent()
-        token = agent.rrefs.hold_child(self)
-        captured = getattr(_fork_capture, "tokens", None)
-        if captured is not None:
-            captured.append(token)
-        return (_rebuild_rref, (self._owner, self._id, agent.info.id, token))
+        context = _context()
+        token = context.hold_child(self)
+        # If the message never reaches its receiver, the hold is given back.
+        on_undelivered(functools.partial(context.release_child, token))
+        return (_rebuild_rref, (self._owner, self._id, context.agent.info.id, token))
 
     def __repr__(self) -> str:
         try:
@@ -410,15 +415,14 @@ class _Proxy:
         self._timeout = timeout
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
-        from rpcdist.rpc import api
-
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            agent = _agent()
             call_args = (rref, method, args, kwargs)
             if mode == "remote":
-                return api.remote(rref.owner(), _call_method, call_args, timeout=timeout)
-            future = api.rpc_async(rref.owner(), _call_method, call_args, timeout=timeout)
+                return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
+            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout)
             return future.wait() if mode == "sync" else future
 
         call.__name__ = method
@@ -488,26 +492,29 @@ def _create(
 ) -> asyncio.Future[None]:
     """On the owner: register the creator at once (in arrival order, before any deletion the
     creator sends next), then run ``func`` and keep its result (or error)."""
-    agent = _agent()
-    entry = agent.rrefs.entry(rref_id)
+    context = _context()
+    entry = context.entry(rref_id)
     if creator >= 0:
         entry.holders.add(creator)
-    return agent.loop.create_task(_run_create(agent, rref_id, func, args, kwargs))
+    return context.agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs))
 
 
-async def _run_create(agent: Any, rref_id: RRefId, func: Callable[..., Any], args: Any, kwargs: Any) -> None:
-    entry = agent.rrefs.entry(rref_id)
+async def _run_create(
+    context: RRefContext, rref_id: RRefId, func: Callable[..., Any], args: Any, kwargs: Any
+) -> None:
+    agent = context.agent
+    entry = context.entry(rref_id)
     try:
         value = await agent.run_user_function(func, args, kwargs)
     except BaseException as exc:
         if not entry.value.done():
             text = "".join(traceback.format_exception(exc))
             entry.value.set_exception(annotate_remote(exc, agent.info.name, _qualname(func), text))
-        agent.rrefs.maybe_free(rref_id)
+        context.maybe_free(rref_id)
         raise
     if not entry.value.done():
         entry.value.set_result(value)
-    agent.rrefs.maybe_free(rref_id)  # the creator may have dropped it already
+    context.maybe_free(rref_id)  # the creator may have dropped it already
 
 
 @inline
@@ -539,7 +546,7 @@ def _qualname(func: Any) -> str:
 
 
 def create_remote(
-    agent: Any,
+    agent: Agent,
     to: Any,
     func: Callable[..., Any],
     args: tuple[Any, ...] | None,
@@ -549,7 +556,7 @@ def create_remote(
     """``rpc.remote``: start ``func`` on ``to`` and return an RRef at once."""
     dest = agent.worker(to)
     name = serialization.check_importable(func)
-    context: RRefContext = agent.rrefs
+    context = _context()
     rref_id: RRefId = (dest.id, agent.info.id, next(_counter))
     if dest.id == agent.info.id:
         call_args = (rref_id, -1, func, tuple(args or ()), dict(kwargs or {}))  # owner refs count it

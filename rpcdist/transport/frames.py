@@ -6,7 +6,8 @@ outgoing message and read back as zero-copy slices of the incoming one (protobuf
 Python classes would copy every ``bytes`` field again on both sides).
 
 A message whose buffers exceed one chunk goes out as a header envelope followed by CHUNK
-envelopes; :class:`Assembly` puts the buffers back together on the receiving side.
+envelopes; :class:`Assembly` puts the buffers back together on the receiving side and
+:func:`collect` feeds it envelope by envelope.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from google.protobuf.message import DecodeError
 
 from rpcdist.errors import PayloadTooLargeError
-from rpcdist.rpc import shm
+from rpcdist.transport import shm
 from rpcdist.v1 import agent_pb2
 
 REQUEST = agent_pb2.REQUEST
@@ -293,3 +295,30 @@ class Assembly:
     @property
     def complete(self) -> bool:
         return self.remaining == 0
+
+
+def collect(
+    assemblies: dict[int, Assembly], env: Any, max_bytes: int
+) -> tuple[Any, list[memoryview] | Exception] | None:
+    """Feed one envelope; returns ``(header, buffers)`` once its message is complete.
+
+    ``assemblies`` holds the link's messages still missing CHUNKs, by call id. ``buffers`` is
+    the exception instead when a shared-memory buffer could not be adopted (or the message
+    is above ``max_bytes``); the stream stays in step either way.
+    """
+    if env.kind == CHUNK:
+        assembly = assemblies.get(env.call_id)
+        if assembly is None:
+            raise FrameError(f"CHUNK for unknown message {env.call_id}")
+        assembly.feed(env.data)
+        if not assembly.complete:
+            return None
+        del assemblies[env.call_id]
+    elif not env.buffer_sizes:
+        return env, []
+    else:
+        assembly = Assembly(env, max_bytes)
+        if not assembly.complete:
+            assemblies[env.call_id] = assembly
+            return None
+    return assembly.header, assembly.error or assembly.buffers

@@ -1,4 +1,4 @@
-"""Threads around the event loop: an inbox that runs callables on the loop, and the pool
+"""Threads around the agent's event loop: an inbox that runs callables on the loop, and the pool
 that runs blocking user functions.
 
 Both coalesce wake-ups: under load, many items cost one ``call_soon_threadsafe``.

@@ -1,0 +1,317 @@
+"""The callee half of the agent: running the calls that peers send, and answering them.
+
+Each incoming connection is an :class:`InboundSession`. A request is unpickled on the loop
+and dispatched by the way its function runs (see :mod:`rpcdist.agent.markers`): rpcdist's
+inline handlers at once, ``async def`` functions as tasks on the loop, blocking ones on the
+:class:`~rpcdist.agent.threads.WorkerPool`. Timeouts travel with the request: an expired
+async call's task is cancelled, an expired queued blocking call is skipped, and a CANCEL from
+the caller does the same. Results (or error descriptions) go back on the same connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import functools
+import inspect
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rpcdist import serialization
+from rpcdist.agent.codec import describe_error
+from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
+from rpcdist.transport import Entries, frames, shm
+from rpcdist.transport.api import Write
+from rpcdist.transport.writer import FrameWriter
+
+if TYPE_CHECKING:
+    from rpcdist.agent.core import Agent
+
+log = logging.getLogger(__name__)
+
+
+class InboundSession:
+    """The callee's end of one caller's connection (a gRPC stream or a Unix socket)."""
+
+    def __init__(self, callee: Callee, write: Write) -> None:
+        self.callee = callee
+        self.writer = FrameWriter(write, "inbound")
+        self.assemblies: dict[int, frames.Assembly] = {}
+        self.running: dict[int, Any] = {}  # call_id -> asyncio.Task, asyncio.Future or _ThreadJob
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.caller_rank = -1
+        # Shared-memory files of responses, removed when the session ends in case the caller
+        # never adopted them (it unlinks the ones it does).
+        self.exported: collections.deque[str] = collections.deque()
+        callee.sessions.add(self)
+
+    def on_frame(self, raw: bytes) -> None:
+        """Handle one incoming frame; raises FrameError if it is malformed."""
+        max_bytes = self.callee.agent.options.max_payload_bytes
+        for env in frames.decode_frame(raw):
+            message = frames.collect(self.assemblies, env, max_bytes)
+            if message is not None:
+                self.callee.on_request(self, *message)
+
+    async def finish(self) -> None:
+        """The caller is done sending: finish its calls, then flush the replies."""
+        await self.idle.wait()
+        await self.writer.close()
+
+    def cleanup(self) -> None:
+        for job in self.running.values():
+            job.cancel()
+        self.writer.abort()
+        shm.remove(self.exported)
+        self.callee.sessions.discard(self)
+
+    def remember_exported(self, names: list[str]) -> None:
+        self.exported.extend(n for n in names if n)
+        if len(self.exported) > 4096:  # prune the ones the caller already adopted
+            self.exported = collections.deque(n for n in self.exported if shm.sees_probe(n))
+
+    def respond(self, entries: Entries) -> None:
+        self.writer.send(entries)
+
+    def track(self, call_id: int, job: Any) -> None:
+        self.running[call_id] = job
+        self.idle.clear()
+
+    def untrack(self, call_id: int) -> None:
+        self.running.pop(call_id, None)
+        if not self.running:
+            self.idle.set()
+
+
+class _ThreadJob:
+    """A blocking user function queued on the worker pool; skipped if cancelled before start."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Callee:
+    """Runs the calls that arrive on this worker's incoming connections."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent: Agent = weakref.proxy(agent)  # the agent owns this half (see Caller)
+        self.sessions: set[InboundSession] = set()
+        # Requests that arrive before the group is known (None once it is).
+        self._early: list[tuple[InboundSession, Any, Any]] | None = []
+
+    def new_session(self, write: Write) -> InboundSession:
+        return InboundSession(self, write)
+
+    def group_known(self) -> None:
+        """Run the calls that arrived before the group was known, in arrival order."""
+        deferred, self._early = self._early, None
+        for session, header, buffers in deferred or ():
+            self.on_request(session, header, buffers)
+
+    # ------------------------------------------------------------------ dispatch
+    def on_request(self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception) -> None:
+        if self._early is not None:
+            self._early.append((session, header, buffers))
+            return
+        call_id = header.call_id
+        if header.kind == frames.CANCEL:
+            job = session.running.get(call_id)
+            if job is not None:
+                job.cancel()
+            return
+        if header.kind != frames.REQUEST:
+            return
+        function = header.function
+        session.caller_rank = header.caller_rank
+        try:
+            if isinstance(buffers, Exception):
+                raise buffers
+            func, args, kwargs, *state = serialization.loads(header.payload, buffers)
+        except Exception as exc:
+            self._respond_error(session, call_id, function, exc, loading=True)
+            return
+        agent = self.agent
+        if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
+            run_in = contextvars.copy_context()
+            run_in.run(agent.extension.enter, state[0])
+        else:
+            run_in = None
+        if is_inline(func):  # rpcdist's own short, non-blocking handlers
+            self._run_inline(session, call_id, function, func, args, kwargs, run_in)
+        elif inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+            getattr(func, TORCH_ASYNC_EXECUTION_ATTR, None)
+        ):
+            task = agent.loop.create_task(
+                self._run_async(session, call_id, function, func, args, kwargs), context=run_in
+            )
+            session.track(call_id, task)
+            if header.timeout_seconds > 0:
+                deadline = agent.loop.call_later(header.timeout_seconds, task.cancel)
+                task.add_done_callback(lambda _: deadline.cancel())  # don't pin finished calls
+        else:
+            job = _ThreadJob()
+            session.track(call_id, job)
+            deadline = time.monotonic() + header.timeout_seconds if header.timeout_seconds > 0 else None
+            blocking = functools.partial(
+                self._run_blocking, session, call_id, function, func, args, kwargs, job, deadline
+            )
+            agent.pool.submit(blocking if run_in is None else functools.partial(run_in.run, blocking))
+
+    def _run_inline(
+        self,
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        run_in: contextvars.Context | None,
+    ) -> None:
+        within = run_in.run if run_in is not None else _call
+        try:
+            result = within(func, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - goes back to the caller
+            self._respond_error(session, call_id, function, exc)
+            return
+        if isinstance(result, asyncio.Future):  # answer once it settles (e.g. a loan returned)
+            session.track(call_id, result)
+            result.add_done_callback(lambda f: within(self._settle_inline, session, call_id, function, f))
+            return
+        within(self._respond, session, call_id, function, result)
+
+    def _settle_inline(self, session: InboundSession, call_id: int, function: str, done: Any) -> None:
+        session.untrack(call_id)
+        if done.cancelled():
+            return
+        if done.exception() is not None:
+            self._respond_error(session, call_id, function, done.exception())
+        else:
+            self._respond(session, call_id, function, done.result())
+
+    async def _run_async(
+        self, session: InboundSession, call_id: int, function: str, func: Any, args: Any, kwargs: Any
+    ) -> None:
+        try:
+            result = await func(*args, **kwargs)
+            if is_async_execution(func):
+                result = await awaitable(result)
+            self._respond(session, call_id, function, result)
+        except asyncio.CancelledError:
+            log.debug("%s: call %s to %s cancelled", self.agent.info.name, call_id, function)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            self._respond_error(session, call_id, function, exc)
+        finally:
+            session.untrack(call_id)
+
+    def _run_blocking(
+        self,
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        job: _ThreadJob,
+        deadline: float | None,
+    ) -> None:
+        """Runs on a pool thread."""
+        inbox = self.agent.inbox
+        if job.cancelled or (deadline is not None and time.monotonic() > deadline):
+            inbox.post(lambda: session.untrack(call_id))
+            return
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001
+            inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
+            return
+        if is_async_execution(func):
+            inbox.post(lambda: self._finish_later(session, call_id, function, result))
+            return
+        try:
+            entries = self._encode_result(session, call_id, function, result)
+        except BaseException as exc:  # noqa: BLE001
+            inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
+            return
+        inbox.post(lambda: self._finish(session, call_id, entries))
+
+    def _finish(self, session: InboundSession, call_id: int, entries: Entries) -> None:
+        session.untrack(call_id)
+        session.respond(entries)
+
+    def _finish_error(self, session: InboundSession, call_id: int, function: str, exc: BaseException) -> None:
+        session.untrack(call_id)
+        self._respond_error(session, call_id, function, exc)
+
+    def _finish_later(self, session: InboundSession, call_id: int, function: str, result: Any) -> None:
+        async def complete() -> None:
+            try:
+                value = await awaitable(result)
+                self._respond(session, call_id, function, value)
+            except asyncio.CancelledError:
+                pass
+            except BaseException as exc:  # noqa: BLE001
+                self._respond_error(session, call_id, function, exc)
+            finally:
+                session.untrack(call_id)
+
+        session.track(call_id, self.agent.loop.create_task(complete()))
+
+    # ------------------------------------------------------------------ answering
+    def _encode_result(self, session: InboundSession, call_id: int, function: str, result: Any) -> Entries:
+        agent = self.agent
+        state = agent.extension.capture() if agent.extension is not None else None
+        payload, buffers, _ = agent.pickle(result, f"the result of {function}", session.caller_rank, state)
+        shared = agent.transport.share(session.caller_rank, buffers)
+        if shared:
+            session.remember_exported(shared)
+        return frames.encode_message(
+            call_id, frames.RESPONSE, payload, buffers, chunk_bytes=agent.options.chunk_bytes, shared=shared
+        )
+
+    def _respond(self, session: InboundSession, call_id: int, function: str, result: Any) -> None:
+        try:
+            session.respond(self._encode_result(session, call_id, function, result))
+        except BaseException as exc:  # noqa: BLE001
+            self._respond_error(session, call_id, function, exc)
+
+    def _respond_error(
+        self, session: InboundSession, call_id: int, function: str, exc: BaseException, loading: bool = False
+    ) -> None:
+        payload, buffers = describe_error(self.agent.info.name, function, exc, loading)
+        session.respond(frames.encode_message(call_id, frames.ERROR, payload, buffers))
+
+
+async def awaitable(result: Any) -> Any:
+    """Await what an ``async_execution`` function returned: an rpcdist or torch Future, or
+    any awaitable."""
+    if inspect.isawaitable(result):
+        return await result
+    wait = getattr(result, "wait", None)
+    if callable(wait) and hasattr(result, "add_done_callback"):  # torch.futures.Future
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        result.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, done))
+        await done
+        return result.wait()
+    raise TypeError(
+        f"an @async_execution function must return a Future or awaitable, not {type(result).__name__}"
+    )
+
+
+def _call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return func(*args, **kwargs)
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,0 +1,241 @@
+"""The caller half of the agent: outgoing calls, from ``submit`` to a completed Future.
+
+``submit`` pickles in the calling thread (errors surface there, before anything is sent),
+then hands the call to the loop, which numbers it, queues its frames on the peer's link and
+arms its timeout. A reply completes the call's Future with the result or the rebuilt remote
+exception; a timeout fails it with RpcTimeoutError and asks the callee to cancel; the loss
+of the link fails every call pending on it with WorkerUnavailableError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rpcdist import serialization
+from rpcdist.agent.codec import rebuild_error
+from rpcdist.agent.extensions import run_undo
+from rpcdist.agent.options import WorkerInfo
+from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError, WorkerUnavailableError
+from rpcdist.futures import Future
+from rpcdist.transport import Link, LinkHandler, frames, shm
+
+if TYPE_CHECKING:
+    from rpcdist.agent.core import Agent
+
+
+class OutgoingCall:
+    """One call in flight: what to send, and the Future that waits for its reply."""
+
+    __slots__ = (
+        "dest",
+        "function",
+        "payload",
+        "buffers",
+        "shared",
+        "undo",
+        "lent",
+        "timeout",
+        "future",
+        "timer",
+        "call_id",
+    )
+
+    def __init__(
+        self,
+        dest: WorkerInfo,
+        function: str,
+        payload: bytes,
+        buffers: list[memoryview],
+        timeout: float,
+        future: Future[Any],
+    ) -> None:
+        self.dest = dest
+        self.function = function
+        self.payload = payload
+        self.buffers = buffers
+        self.shared: list[str] = []
+        self.undo: list[Callable[[], None]] = []  # holds taken by what the arguments carry
+        self.lent: list[shm.Slot] = []  # shared-memory slots holding the arguments
+        self.timeout = timeout
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None
+        self.call_id = 0
+
+
+class Caller(LinkHandler):
+    """Sends this worker's calls and completes their Futures as replies arrive."""
+
+    def __init__(self, agent: Agent) -> None:
+        # A weak back-reference: the agent owns this half, and an agent freed by reference
+        # counting at shutdown frees its servers and channels (and grpc's poller thread) at once.
+        self._agent: Agent = weakref.proxy(agent)
+        self._call_ids = itertools.count(1)
+        self.pending: dict[int, OutgoingCall] = {}
+        self.no_pending = asyncio.Event()
+        self.no_pending.set()
+
+    # ------------------------------------------------------------------ sending
+    def submit(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...] | None,
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+        *,
+        function_name: str | None = None,
+    ) -> Future[Any]:
+        """Send a call from any thread; returns its Future. Raises at once on bad input."""
+        agent = self._agent
+        if agent.closing:
+            raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
+        dest = agent.worker(to)
+        name = function_name or serialization.check_importable(func)
+        state = agent.extension.capture() if agent.extension is not None else None
+        call_tuple: tuple[Any, ...] = (func, tuple(args or ()), dict(kwargs or {}))
+        if state is not None:  # the callee runs in the caller's extension state
+            call_tuple += (state,)
+        payload, buffers, undo = agent.pickle(call_tuple, f"call to {name} on {dest.name}", dest.id, state)
+        if timeout is None or timeout < 0:
+            timeout = agent.options.rpc_timeout
+        future: Future[Any] = Future(loop=agent.loop)
+        call = OutgoingCall(dest, name, payload, buffers, timeout, future)
+        call.undo = undo
+        call.shared = agent.transport.share(dest.id, buffers, call.lent)
+        if threading.get_ident() == agent.loop_thread_id and not agent.inbox.pending:
+            self._start(call)
+        else:  # through the inbox, behind calls other threads submitted earlier: order holds
+            agent.inbox.post(lambda: self._start(call))
+        return future
+
+    def _start(self, call: OutgoingCall) -> None:
+        agent = self._agent
+        if agent.closing:
+            self._abandon(call, RpcError(f"worker {agent.info.name} is shutting down"))
+            return
+        call.call_id = call_id = next(self._call_ids)
+        try:
+            link = agent.transport.link(call.dest.id)
+        except Exception as exc:
+            self._abandon(call, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
+            return
+        self.pending[call_id] = call
+        self.no_pending.clear()
+        if call.timeout > 0:
+            call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
+        link.send(
+            frames.encode_message(
+                call_id,
+                frames.REQUEST,
+                call.payload,
+                call.buffers,
+                chunk_bytes=agent.options.chunk_bytes,
+                timeout_seconds=call.timeout,
+                function=call.function,
+                caller_rank=agent.info.id,
+                shared=call.shared,
+            )
+        )
+        call.payload, call.buffers = b"", []  # the writer holds them now
+
+    def _abandon(self, call: OutgoingCall, error: BaseException) -> None:
+        """The call never left: give back what it took and fail it."""
+        self._drop_shared(call)
+        run_undo(call.undo)
+        call.future._try_complete(None, error)
+
+    # ------------------------------------------------------------------ ending calls
+    def _expire(self, call_id: int) -> None:
+        call = self.pending.get(call_id)
+        if call is None:
+            return
+        self.fail(
+            call_id,
+            RpcTimeoutError(
+                f"call to {call.function} on worker {call.dest.name} timed out after {call.timeout:g} s "
+                "(the callee was asked to cancel it)"
+            ),
+        )
+        link = self._agent.transport.existing_link(call.dest.id)
+        if link is not None:
+            link.send(iter([frames.encode_control(call_id, frames.CANCEL)]))
+
+    def fail(self, call_id: int, error: BaseException) -> None:
+        """Complete pending call ``call_id`` with ``error`` (no-op if it already ended)."""
+        call = self.pending.pop(call_id, None)
+        if call is None:
+            return
+        self._drop_shared(call)
+        if call.timer is not None:
+            call.timer.cancel()
+        if not self.pending:
+            self.no_pending.set()
+        call.future._try_complete(None, error)
+
+    def fail_all(self, error: Callable[[OutgoingCall], BaseException]) -> None:
+        """Fail every pending call (at shutdown)."""
+        for call_id, call in list(self.pending.items()):
+            self.fail(call_id, error(call))
+
+    def _drop_shared(self, call: OutgoingCall) -> None:
+        """The call failed: remove its handed-over files; its lent slots are never reused (the
+        callee may still be reading them)."""
+        shm.remove(n for n in call.shared if not shm.is_slot(n))
+        self._agent.transport.drop_lent(call.lent)
+
+    # ------------------------------------------------------------------ LinkHandler
+    def on_frame(self, link: Link, raw: bytes) -> None:
+        """Replies from the peer of ``link``."""
+        agent = self._agent
+        for env in frames.decode_frame(raw):
+            message = frames.collect(link.assemblies, env, agent.options.max_payload_bytes)
+            if message is None:
+                continue
+            header, buffers = message
+            call = self.pending.pop(header.call_id, None)
+            if call is None:
+                continue  # timed out or cancelled meanwhile
+            if call.shared:
+                shm.remove(n for n in call.shared if not shm.is_slot(n))  # normally adopted already
+            agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read its arguments
+            if call.timer is not None:
+                call.timer.cancel()
+            if not self.pending:
+                self.no_pending.set()
+            if isinstance(buffers, Exception):
+                call.future._try_complete(
+                    None, RpcError(f"cannot receive the result of {call.function}: {buffers}")
+                )
+            elif header.kind == frames.RESPONSE:
+                try:
+                    result = serialization.loads(header.payload, buffers)
+                except Exception as exc:
+                    call.future._try_complete(
+                        None, SerializationError(f"cannot unpickle the result of {call.function}: {exc}")
+                    )
+                    continue
+                call.future._try_complete(result, None)
+            else:
+                call.future._try_complete(
+                    None, rebuild_error(header.payload, buffers, call.function, call.dest.name)
+                )
+
+    def on_lost(self, link: Link, reason: str) -> None:
+        """The link to a peer is gone: every call pending on it fails now."""
+        rank = link.peer.rank
+        for call_id, call in list(self.pending.items()):
+            if call.dest.id == rank:
+                run_undo(call.undo)  # the receiver is gone with them
+                call.undo = []
+                self.fail(
+                    call_id,
+                    WorkerUnavailableError(
+                        f"lost the connection to worker {link.peer.name} ({link.address}) while calling "
+                        f"{call.function}: {reason}"
+                    ),
+                )

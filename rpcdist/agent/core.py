@@ -1,0 +1,246 @@
+"""The per-process agent: calls between workers, on one event loop, over the transport.
+
+An :class:`Agent` joins three parts::
+
+    Transport   (rpcdist.transport)  links to every peer, servers, shared memory
+    Caller      (caller.py)          outgoing calls: ids, timeouts, replies, error rebuilding
+    Callee      (callee.py)          incoming calls: dispatch to the loop or the thread pool
+
+Layers above use only the methods here: ``submit`` a call, ``start_user_function`` /
+``run_user_function`` to run a function the way calls run, ``on_loop`` to run code on the
+loop in order, ``worker`` to resolve a name or rank. Distributed autograd rides along
+through :attr:`extension` (see :mod:`rpcdist.agent.extensions`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rpcdist.agent.callee import Callee, awaitable
+from rpcdist.agent.caller import Caller
+from rpcdist.agent.codec import pickle_message
+from rpcdist.agent.extensions import CallExtension
+from rpcdist.agent.markers import inline, is_async_execution, is_inline
+from rpcdist.agent.options import RpcBackendOptions, WorkerInfo
+from rpcdist.agent.threads import LoopInbox, WorkerPool
+from rpcdist.errors import UnknownWorkerError, WorkerUnavailableError
+from rpcdist.futures import Future
+from rpcdist.rendezvous import Member, Rendezvous
+from rpcdist.transport import Transport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Agent"]
+
+
+class Agent:
+    """One per process and role (RPC, or a process group's messages): serves calls from
+    peers and sends this process's calls to them."""
+
+    def __init__(
+        self,
+        info: WorkerInfo,
+        world_size: int,
+        options: RpcBackendOptions,
+        rendezvous: Rendezvous,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.info = info
+        self.world_size = world_size
+        self.options = options
+        self.rendezvous = rendezvous
+        self.loop = loop
+        self.loop_thread_id = threading.get_ident()
+        self.workers_by_rank: dict[int, WorkerInfo] = {}
+        self.workers_by_name: dict[str, WorkerInfo] = {}
+        self.addresses: dict[int, str] = {}
+        self.extension: CallExtension | None = None
+        self.pool = WorkerPool(options.num_worker_threads, f"rpcdist-{info.name}")
+        self.inbox = LoopInbox(loop)
+        self.closing = False
+        self._closed = False
+        self.caller = Caller(self)
+        self.callee = Callee(self)
+        self.transport = Transport(
+            info.name,
+            self.caller,
+            self.callee.new_session,
+            shm_threshold_bytes=options.shm_threshold_bytes,
+            unix_sockets=options.transport != "grpc",
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def shm_probe(self) -> str:
+        return self.transport.shm_probe
+
+    @property
+    def unix_path(self) -> str:
+        return self.transport.unix_path
+
+    async def serve(self, host: str) -> int:
+        """Start serving peers on ``host`` (ephemeral port); returns the gRPC port."""
+        return await self.transport.start(host)
+
+    def card(self, advertise_host: str) -> dict[str, str]:
+        """What this worker publishes at rendezvous so peers can reach it."""
+        return self.transport.card(advertise_host)
+
+    def set_members(self, members: list[Member]) -> None:
+        """Learn the group; calls that arrived before this (from peers that finished joining
+        first) run now, in arrival order."""
+        peers = []
+        for member in members:
+            info = WorkerInfo(member.name, member.rank)
+            self.workers_by_rank[member.rank] = info
+            self.workers_by_name[member.name] = info
+            self.addresses[member.rank] = member.address
+            peers.append(Transport.peer_from_card(member.rank, member.name, member.card))
+        self.transport.set_peers(peers)
+        self.callee.group_known()
+
+    async def wait_for_outstanding(self, timeout: float | None) -> None:
+        """Wait until every call this worker made has completed (or ``timeout`` passes)."""
+        try:
+            await asyncio.wait_for(self.caller.no_pending.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning(
+                "%s: %d calls still outstanding at shutdown", self.info.name, len(self.caller.pending)
+            )
+
+    async def find_dead(self, ranks: list[int]) -> list[int]:
+        """Which of ``ranks`` no longer answer (a refused or lost connection, not slowness)."""
+        probes = [self.submit(rank, _ping, None, None, 5.0, function_name="rpcdist.ping") for rank in ranks]
+        dead = []
+        for rank, probe in zip(ranks, probes, strict=True):
+            try:
+                await probe
+            except WorkerUnavailableError:
+                dead.append(rank)
+            except Exception:  # noqa: BLE001 - busy or slow is alive
+                pass
+        return dead
+
+    async def close(self, graceful: bool) -> None:
+        """Close links, servers and threads. Outstanding calls fail with WorkerUnavailableError."""
+        if self._closed:
+            return
+        self.closing = True
+        await self.transport.close(graceful)
+        self.caller.fail_all(lambda _: WorkerUnavailableError(f"worker {self.info.name} shut down"))
+        self.pool.shutdown(timeout=1.0 if graceful else 0.1)
+        self._closed = True
+
+    # ------------------------------------------------------------------ what layers above use
+    def worker(self, to: str | int | WorkerInfo) -> WorkerInfo:
+        """The WorkerInfo for a name, rank or WorkerInfo; UnknownWorkerError if none matches."""
+        if isinstance(to, WorkerInfo):
+            info = self.workers_by_rank.get(to.id)
+            if info is None or info.name != to.name:
+                raise UnknownWorkerError(f"{to!r} is not a worker of this group")
+            return info
+        if isinstance(to, str):
+            info = self.workers_by_name.get(to)
+            if info is None:
+                raise UnknownWorkerError(
+                    f"no worker named {to!r}; known workers: {sorted(self.workers_by_name)}"
+                )
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            info = self.workers_by_rank.get(to)
+            if info is None:
+                raise UnknownWorkerError(f"no worker with rank {to}; ranks are 0..{self.world_size - 1}")
+            return info
+        raise TypeError(f"`to` must be a worker name, rank or WorkerInfo, not {type(to).__name__}")
+
+    def is_colocated(self, rank: int) -> bool:
+        """Whether ``rank`` shares this host's /dev/shm (so shared memory reaches it)."""
+        return self.transport.is_colocated(rank)
+
+    def submit(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...] | None,
+        kwargs: dict[str, Any] | None,
+        timeout: float,
+        *,
+        function_name: str | None = None,
+    ) -> Future[Any]:
+        """Call ``func(*args, **kwargs)`` on ``to`` from any thread; returns its Future.
+
+        ``timeout`` in seconds (negative: the default ``rpc_timeout``, 0: none). Raises at
+        once on bad input (unknown worker, unpicklable arguments, too large).
+        """
+        return self.caller.submit(to, func, args, kwargs, timeout, function_name=function_name)
+
+    def on_loop(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop, after anything posted before it (from any thread)."""
+        if threading.get_ident() == self.loop_thread_id and not self.inbox.pending:
+            fn()
+        else:
+            self.inbox.post(fn)
+
+    def pickle(
+        self, obj: Any, what: str, peer: int, state: Any = None
+    ) -> tuple[bytes, list[memoryview], list[Callable[[], None]]]:
+        """Pickle a message for ``peer`` within the size limit (see ``codec.pickle_message``)."""
+        reducer = self.extension.tensor_reducer(state, peer) if self.extension is not None else None
+        return pickle_message(obj, what, self.options.max_payload_bytes, reducer)
+
+    def start_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
+        """Start a user function the way calls run (``async def`` on the loop, others on the
+        pool, in the current contextvars context); returns a future of its result. Loop only."""
+        if inspect.iscoroutinefunction(func) or is_async_execution(func):
+            return self.loop.create_task(self.run_user_function(func, args, kwargs))
+        if is_inline(func):  # one of rpcdist's own loop-side handlers
+            done = self.loop.create_future()
+            try:
+                result = func(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001
+                done.set_exception(exc)
+                return done
+            if isinstance(result, asyncio.Future):
+                return result
+            done.set_result(result)
+            return done
+        return self._on_pool(func, args, kwargs)
+
+    async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Run a user function the way calls run: ``async def`` on the loop, others on the pool."""
+        if inspect.iscoroutinefunction(func):
+            result = await func(*args, **kwargs)
+        elif is_inline(func):
+            result = await self.start_user_function(func, args, kwargs)
+        else:
+            result = await self._on_pool(func, args, kwargs)
+        if is_async_execution(func) or inspect.isawaitable(result):
+            result = await awaitable(result)
+        return result
+
+    def _on_pool(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
+        """Run a blocking function on the worker pool (keeping the current contextvars)."""
+        done = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = func(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001
+                self.inbox.post(lambda e=exc: done.done() or done.set_exception(e))
+                return
+            self.inbox.post(lambda: done.done() or done.set_result(result))
+
+        self.pool.submit(functools.partial(contextvars.copy_context().run, run))
+        return done
+
+
+@inline
+def _ping() -> None:
+    """Answered by every worker's loop; used to tell a dead peer from a slow one."""

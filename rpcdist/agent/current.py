@@ -1,0 +1,29 @@
+"""The RPC agent of this process (set by ``rpcdist.rpc.init_rpc``, cleared by ``shutdown``).
+
+Layers above the agent (RRefs, distributed autograd) find it here rather than through the
+public RPC module, so none of them imports ``rpcdist.rpc.api``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rpcdist.errors import RpcError
+
+if TYPE_CHECKING:
+    from rpcdist.agent.core import Agent
+
+_agent: Agent | None = None
+
+
+def current_agent() -> Agent:
+    """This process's RPC agent; RpcError if RPC is not initialized."""
+    agent = _agent
+    if agent is None:
+        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+    return agent
+
+
+def set_current_agent(agent: Agent | None) -> None:
+    global _agent
+    _agent = agent

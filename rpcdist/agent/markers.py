@@ -1,0 +1,36 @@
+"""How a function tells the agent the way to run it.
+
+- ``async def`` functions run as tasks on the callee's event loop;
+- functions marked :func:`async_execution` (rpcdist's or torch's decorator) return a Future
+  or awaitable, and the call completes when it does, without holding a thread;
+- rpcdist's own short handlers are marked :func:`inline` and run directly on the loop;
+- everything else runs on the callee's thread pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ASYNC_EXECUTION_ATTR = "_rpcdist_async_execution"
+TORCH_ASYNC_EXECUTION_ATTR = "_wrapped_async_rpc_function"  # torch's own marker
+INLINE_ATTR = "_rpcdist_inline"
+
+
+def is_async_execution(fn: Any) -> bool:
+    """Whether ``fn`` was decorated with rpcdist's or torch's ``async_execution``."""
+    return bool(getattr(fn, ASYNC_EXECUTION_ATTR, False) or hasattr(fn, TORCH_ASYNC_EXECUTION_ATTR))
+
+
+def is_inline(fn: Any) -> bool:
+    """Whether ``fn`` is one of rpcdist's own loop-side handlers."""
+    return bool(getattr(fn, INLINE_ATTR, False))
+
+
+def inline(func: F) -> F:
+    """Internal: mark one of rpcdist's own handlers to run directly on the callee's loop as
+    the message arrives (no task, no thread). Only for short functions that never block."""
+    setattr(func, INLINE_ATTR, True)
+    return func

@@ -1,0 +1,106 @@
+"""Configuration and identity of RPC workers: RpcBackendOptions, WorkerInfo, BackendType."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo"]
+
+DEFAULT_RPC_TIMEOUT = 60.0
+DEFAULT_INIT_METHOD = "env://"
+
+
+class BackendType(enum.Enum):
+    """Accepted for torch compatibility: every backend is rpcdist's gRPC transport."""
+
+    GRPC = "GRPC"
+    TENSORPIPE = "GRPC"  # alias: code written for torch keeps working
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's name and id (its rank), as ``torch.distributed.rpc.WorkerInfo``."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+@dataclass
+class RpcBackendOptions:
+    """Options of ``init_rpc``.
+
+    Args:
+        init_method: ``env://`` (MASTER_ADDR/MASTER_PORT), ``tcp://host:port`` or ``file:///path``.
+        rpc_timeout: default timeout of every call, seconds (0: none).
+        num_worker_threads: threads that run blocking (non-``async``) user functions.
+        max_payload_bytes: largest message (pickle plus tensor bytes) sent or accepted.
+        chunk_bytes: size of the pieces large payloads are streamed in.
+        shm_threshold_bytes: buffers at least this large go to peers on the same host through
+            shared memory (/dev/shm) instead of the stream; 0 turns that off.
+        transport: ``"auto"`` (gRPC between hosts, a Unix socket between workers of one host)
+            or ``"grpc"`` (gRPC streams for every peer).
+        listen_host: interface this worker serves on (default: loopback when the store is on
+            loopback, else all interfaces).
+        advertise_host: address peers use to reach this worker (default: derived).
+        device_maps, devices, _transports, _channels: torch TensorPipe fields, accepted for
+            compatibility; only CPU tensors are supported, so device maps must be empty.
+    """
+
+    init_method: str = DEFAULT_INIT_METHOD
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    num_worker_threads: int = 16
+    max_payload_bytes: int = 16 << 30
+    chunk_bytes: int = 1 << 20
+    shm_threshold_bytes: int = 4 << 20
+    transport: str = "auto"
+    listen_host: str | None = None
+    advertise_host: str | None = None
+    device_maps: dict[str, Any] | None = None
+    devices: list[Any] | None = None
+    _transports: list[str] | None = None
+    _channels: list[str] | None = None
+    store_timeout: float = 300.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
+        if self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        if self.transport not in ("auto", "grpc"):
+            raise ValueError(f'transport must be "auto" or "grpc", not {self.transport!r}')
+        if self.device_maps:
+            raise ValueError("device_maps are not supported: rpcdist moves CPU tensors only")
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        """torch compatibility; CPU-only, so any non-empty map is refused."""
+        if device_map:
+            raise ValueError("device maps are not supported: rpcdist moves CPU tensors only")
+
+
+def TensorPipeRpcBackendOptions(  # noqa: N802 - torch's name
+    num_worker_threads: int = 16,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    init_method: str = DEFAULT_INIT_METHOD,
+    device_maps: dict[str, Any] | None = None,
+    devices: list[Any] | None = None,
+    _transports: list[str] | None = None,
+    _channels: list[str] | None = None,
+) -> RpcBackendOptions:
+    """torch's ``TensorPipeRpcBackendOptions`` signature, giving :class:`RpcBackendOptions`."""
+    return RpcBackendOptions(
+        init_method=init_method,
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
+        _transports=_transports,
+        _channels=_channels,
+    )

@@ -1,0 +1,92 @@
+"""The transport's small interface: what a link is, and what it reports to whoever uses it.
+
+A **link** is the caller's end of one ordered, bidirectional connection to one peer; it
+carries *frames* (bytes, see :mod:`rpcdist.transport.frames`) and knows nothing of what is in
+them. Each worker's :class:`~rpcdist.transport.endpoint.Transport` keeps one outgoing link
+per peer and accepts the incoming ones, handing each to a *session* of its user (the agent).
+
+- :class:`LinkHandler` — the user's caller side: frames that came back on a link, and the
+  link's loss (the per-peer liveness signal: every pending exchange with that peer fails).
+- :class:`Session` — the user's callee side of one incoming connection.
+
+Two carriers implement :class:`Link`: a gRPC bidirectional stream
+(:mod:`~rpcdist.transport.grpc_link`, works between any hosts) and a length-prefixed Unix
+socket (:mod:`~rpcdist.transport.unix_link`, between workers that share a host). Security
+(TLS, tokens) and heartbeats belong here, in these two modules and the endpoint.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rpcdist.transport.writer import FrameWriter
+
+__all__ = ["Entries", "Link", "LinkHandler", "PeerAddress", "Session", "SessionFactory", "Write"]
+
+Entries = Iterator[list[bytes | memoryview]]
+"""One message, as a lazy sequence of frame entries (see ``frames.encode_message``)."""
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """How to reach one peer: what it published at rendezvous, plus what this host sees."""
+
+    rank: int
+    name: str
+    grpc_address: str
+    unix_path: str = ""
+    colocated: bool = False  # shares this host's /dev/shm (shared memory and the socket reach it)
+
+
+class LinkHandler(Protocol):
+    """What a link reports to (the agent's caller half)."""
+
+    def on_frame(self, link: Link, raw: bytes) -> None:
+        """A frame arrived on ``link``; raise to drop the link as malformed."""
+
+    def on_lost(self, link: Link, reason: str) -> None:
+        """``link`` is gone (closed, refused, reset, or sent garbage); ``reason`` says why."""
+
+
+class Session(Protocol):
+    """The user's side of one incoming connection (the agent's callee half)."""
+
+    def on_frame(self, raw: bytes) -> None:
+        """Handle one frame; raises ``FrameError`` if it is malformed."""
+
+    async def finish(self) -> None:
+        """The peer is done sending: finish its work and flush the replies."""
+
+    def cleanup(self) -> None:
+        """The connection is gone: drop whatever is left."""
+
+
+SessionFactory = Callable[[Write], Session]
+"""Makes the session of a new incoming connection, given the function that writes to it."""
+
+
+class Link(abc.ABC):
+    """The caller's end of one connection to a peer: :meth:`send` queues a message, the
+    replies and the loss of the link go to the :class:`LinkHandler`."""
+
+    writer: FrameWriter
+
+    def __init__(self, handler: LinkHandler, peer: PeerAddress, address: str) -> None:
+        self.handler = handler
+        self.peer = peer
+        self.address = address
+        # Messages on this link still waiting for CHUNKs (filled by the handler's decoder).
+        self.assemblies: dict[int, Any] = {}
+
+    def send(self, entries: Entries) -> None:
+        """Queue one message; it goes out in order, interleaved chunk by chunk with others."""
+        self.writer.send(entries)
+
+    @abc.abstractmethod
+    async def close(self, graceful: bool) -> None:
+        """Close the link; ``graceful`` flushes what is queued and lets the peer finish first."""

@@ -1,0 +1,200 @@
+"""One worker's transport: the servers that accept peers' links, one outgoing link per peer,
+and the shared-memory handoff to peers on the same host.
+
+Lifecycle::
+
+    transport = Transport(name, handler, make_session, shm_threshold_bytes=4 << 20)
+    port = await transport.start("127.0.0.1")      # gRPC server (+ Unix socket when possible)
+    card = transport.card("127.0.0.1")             # published at rendezvous
+    transport.set_peers([...PeerAddress...])       # learned from rendezvous
+    transport.link(rank).send(entries)             # connects on first use
+    await transport.close(graceful=True)
+
+Co-location is proved, not guessed: each transport leaves a probe file in ``/dev/shm`` and
+publishes its name; a peer that can see it shares this host's shared memory, and is reached
+over the Unix socket with large buffers handed over through shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from rpcdist.transport import shm
+from rpcdist.transport.api import Link, LinkHandler, PeerAddress, SessionFactory
+from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, GrpcLink, exchange_handler
+from rpcdist.transport.unix_link import UnixLink, serve_unix
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Transport"]
+
+
+class Transport(LinkHandler):
+    """Moves frames between this worker and its peers; knows nothing of what they carry.
+
+    ``handler`` gets the frames that come back on outgoing links and their loss;
+    ``make_session`` makes the session of each incoming connection. ``shm_threshold_bytes``
+    (0: off) is the size from which buffers for co-located peers go through shared memory;
+    ``unix_sockets=False`` keeps every peer on gRPC.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        handler: LinkHandler,
+        make_session: SessionFactory,
+        *,
+        shm_threshold_bytes: int = 4 << 20,
+        unix_sockets: bool = True,
+    ) -> None:
+        self.name = name
+        self._handler = handler
+        self._make_session = make_session
+        self.shm_threshold_bytes = shm_threshold_bytes
+        self._unix_sockets = unix_sockets
+        self.shm_probe = shm.create_probe() if shm_threshold_bytes > 0 else ""
+        self.slots = shm.SlotPool()
+        self.peers: dict[int, PeerAddress] = {}
+        self._links: dict[int, Link] = {}
+        self._server: grpc.aio.Server | None = None
+        self._unix_server: asyncio.AbstractServer | None = None
+        self.unix_path = ""
+        self.port = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ serving
+    async def start(self, host: str) -> int:
+        """Serve incoming links on ``host`` (ephemeral gRPC port) and, when co-located peers
+        can use it, a Unix socket; returns the gRPC port."""
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server.add_generic_rpc_handlers((exchange_handler(self._make_session),))
+        self.port = self._server.add_insecure_port(f"{host}:0")
+        await self._server.start()
+        if self.shm_probe and self._unix_sockets:
+            path = shm.socket_path()
+            try:
+                self._unix_server = await serve_unix(path, self._make_session)
+                self.unix_path = path
+            except OSError as exc:
+                log.info("no Unix-socket transport (%s); co-located peers use gRPC", exc)
+        return self.port
+
+    def card(self, advertise_host: str) -> dict[str, str]:
+        """What peers need to reach this worker (published at rendezvous)."""
+        return {
+            "address": f"{advertise_host}:{self.port}",
+            "shm_probe": self.shm_probe,
+            "unix": self.unix_path,
+        }
+
+    @staticmethod
+    def peer_from_card(
+        rank: int, name: str, card: dict[str, str], probe_seen: bool | None = None
+    ) -> PeerAddress:
+        """The :class:`PeerAddress` of a peer from its published card."""
+        colocated = shm.sees_probe(card.get("shm_probe", "")) if probe_seen is None else probe_seen
+        return PeerAddress(rank, name, card.get("address", ""), card.get("unix", ""), colocated)
+
+    def set_peers(self, peers: Sequence[PeerAddress]) -> None:
+        """Learn how to reach every peer (co-location counts only if this side uses shm)."""
+        for peer in peers:
+            if peer.colocated and not self.shm_probe:
+                peer = PeerAddress(peer.rank, peer.name, peer.grpc_address, peer.unix_path, False)
+            self.peers[peer.rank] = peer
+
+    def is_colocated(self, rank: int) -> bool:
+        """Whether ``rank`` shares this host's /dev/shm (so shared memory reaches it)."""
+        peer = self.peers.get(rank)
+        return peer is not None and peer.colocated
+
+    # ------------------------------------------------------------------ links
+    def link(self, rank: int) -> Link:
+        """The outgoing link to ``rank``, connecting on first use (raises KeyError if unknown)."""
+        link = self._links.get(rank)
+        if link is None:
+            if self._closed:
+                raise ConnectionError(f"transport of {self.name} is closed")
+            peer = self.peers[rank]
+            if peer.unix_path and peer.colocated and self._unix_sockets:
+                link = UnixLink(self, peer, peer.unix_path)
+            else:
+                link = GrpcLink(self, peer, peer.grpc_address)
+            self._links[rank] = link
+        return link
+
+    def existing_link(self, rank: int) -> Link | None:
+        """The link to ``rank`` if one is open (never connects)."""
+        return self._links.get(rank)
+
+    def on_frame(self, link: Link, raw: bytes) -> None:
+        self._handler.on_frame(link, raw)
+
+    def on_lost(self, link: Link, reason: str) -> None:
+        if self._links.get(link.peer.rank) is link:
+            del self._links[link.peer.rank]  # the next send reconnects
+        self._handler.on_lost(link, reason)
+
+    # ------------------------------------------------------------------ shared memory
+    def share(self, rank: int, buffers: list[memoryview], lent: list[shm.Slot] | None = None) -> list[str]:
+        """Hand the large buffers for a co-located peer to shared memory; names per buffer
+        ("" = inline), or [] when everything goes inline.
+
+        With ``lent`` (requests, whose reply tells when the callee is done reading) buffers
+        go through reusable slots, which are appended to it; otherwise each is handed over as
+        a new file the receiver keeps.
+        """
+        threshold = self.shm_threshold_bytes
+        if not self.is_colocated(rank) or not any(len(b) >= threshold for b in buffers):
+            return []
+        names: list[str] = []
+        try:
+            for buffer in buffers:
+                if len(buffer) < threshold:
+                    names.append("")
+                elif lent is not None:
+                    slot = self.slots.lend(rank, buffer.cast("B") if buffer.format != "B" else buffer)
+                    lent.append(slot)
+                    names.append(slot.name)
+                else:
+                    names.append(shm.export(buffer))
+        except OSError as exc:  # /dev/shm full or gone: send inline
+            log.warning("shared-memory handoff failed (%s); sending inline", exc)
+            shm.remove(n for n in names if not shm.is_slot(n))
+            if lent:
+                self.drop_lent(lent)
+            return []
+        return names
+
+    def finished_reading(self, rank: int, lent: list[shm.Slot]) -> None:
+        """The peer has read the slots ``lent`` to it: they may be lent again."""
+        for slot in lent:
+            self.slots.give_back(rank, slot)
+        lent.clear()
+
+    def drop_lent(self, lent: list[shm.Slot]) -> None:
+        """The peer may still read these slots (its reply never came): never reuse them."""
+        for slot in lent:
+            self.slots.discard(slot)
+        lent.clear()
+
+    # ------------------------------------------------------------------ teardown
+    async def close(self, graceful: bool) -> None:
+        """Close every link and server and remove this worker's shared-memory files."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in list(self._links.values()):
+            await link.close(graceful)
+        self._links.clear()
+        if self._unix_server is not None:
+            self._unix_server.close()
+            shm.remove_socket(self.unix_path)
+        if self._server is not None:
+            await self._server.stop(grace=1.0 if graceful else None)
+            self._server = None  # its handlers refer back to the sessions' owner
+        shm.remove([self.shm_probe])
+        self.slots.close()

@@ -1,0 +1,80 @@
+"""The writing half of every link: queued messages go out in batched frames.
+
+Many small envelopes share one write (one gRPC message or one socket write), and a large
+message is interleaved chunk by chunk with the others, so a big tensor sent inline does not
+hold up small calls to the same peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 1 << 20
+"""A frame is closed once it holds this many bytes (then a big message yields its turn)."""
+
+Entries = Iterator[list[bytes | memoryview]]
+
+
+class FrameWriter:
+    """Writes queued messages to one link, many small envelopes per write.
+
+    Large messages are interleaved chunk by chunk with others, so a big tensor sent inline
+    does not hold up small calls to the same peer.
+    """
+
+    def __init__(self, write: Callable[[bytes], Any], name: str) -> None:
+        self._write = write
+        self._messages: collections.deque[Entries] = collections.deque()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
+
+    def send(self, entries: Entries) -> None:
+        self._messages.append(entries)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        messages = self._messages
+        while True:
+            if not messages:
+                if self._closed:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            pieces: list[bytes | memoryview] = []
+            size = 0
+            while messages and size < MAX_FRAME_BYTES:
+                entry = next(messages[0], None)
+                if entry is None:
+                    messages.popleft()
+                    continue
+                pieces += entry
+                size += sum(len(p) for p in entry)
+                if size >= MAX_FRAME_BYTES and len(messages) > 1:
+                    messages.rotate(-1)  # a big message yields its turn after each chunk
+            if pieces:
+                try:
+                    await self._write(b"".join(pieces))
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, OSError) as exc:
+                    # The link is gone; its reader fails the calls that were waiting on it.
+                    log.debug("writer %s stopped: %s", self._task.get_name(), exc)
+                    messages.clear()
+                    return
+
+    async def close(self) -> None:
+        """Flush what is queued, then stop."""
+        self._closed = True
+        self._wake.set()
+        await self._task
+
+    def abort(self) -> None:
+        self._task.cancel()
