@@ -1,11 +1,13 @@
-"""What ``rpc_bench.py`` and ``c10d_bench.py`` share: the harness around the measurements.
+"""What every benchmark process shares: the low-level harness around the measurements.
 
 Orchestrator side: progress logging (``set_name``, ``log``), free ports, process start and reaping
 (``start``, ``reap``, ``reap_all``), the forkserver, stack dumps of hung children, machine load
-(``load_snapshot``, ``load_delta``, ``foreign_load``) and speed (``machine_probe``), percentiles,
-the common CLI flags and ``run_main``, run metadata, table and per-round text helpers, and the
-JSON file.
-Child side: ``child_setup`` (die with the orchestrator, stderr only, stack dumps on SIGUSR1).
+(``load_snapshot``, ``load_delta``, ``foreign_load``, ``load_cores``) and speed (``machine_probe``),
+percentiles, the common CLI flags and ``run_main``, run metadata, table and per-round text
+helpers, and the JSON file. ``_driver.py`` builds the one benchmark driver on these.
+Child side: ``child_setup`` (die with the orchestrator, stderr only, stack dumps on SIGUSR1),
+``stats_ns``, ``injected`` (failure injection for the harness's own tests), ``wait_for_stop``
+and ``nothing``.
 
 Only the standard library is imported at module level: every benchmark process imports this.
 """
@@ -165,6 +167,30 @@ def child_setup(stack_file: str | None, lifeline: Any, tag: str) -> Any:
     return handle
 
 
+def nothing() -> None:
+    """A process that only starts (warms the forkserver up)."""
+
+
+def wait_for_stop(conn: Any) -> None:
+    """In a child, after a failure: stay alive (so stacks and the peers' errors can be collected)
+    until the orchestrator stops the group, then exit."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def injected(var: str, system: str, phase: str, rank: int, default_rank: int) -> bool:
+    """Whether ``$var`` (``system:phase[:rank],...``) asks this rank to fail / hang in ``phase``."""
+    for item in filter(None, os.environ.get(var, "").split(",")):
+        parts = item.split(":")
+        if len(parts) >= 2 and parts[0] == system and parts[1] == phase:
+            if (int(parts[2]) if len(parts) > 2 else default_rank) == rank:
+                return True
+    return False
+
+
 # ------------------------------------------------------------------------------------------------
 # machine load and speed
 # ------------------------------------------------------------------------------------------------
@@ -220,8 +246,16 @@ def foreign_load(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
+def load_cores(load: dict[str, float] | None) -> dict[str, float] | None:
+    """A round's load in cores, from either ``foreign_load`` or ``load_delta`` numbers."""
+    if not load or "foreign_cores" in load:
+        return load
+    wall = load["seconds"]
+    return {"foreign_cores": load["foreign_core_s"] / wall, "steal_cores": load["steal_core_s"] / wall}
+
+
 def load_text(load: dict[str, float] | None) -> str:
-    load = load or {}
+    load = load_cores(load) or {}
     return (
         f"{load.get('foreign_cores', float('nan')):.2f} cores, "
         f"steal {load.get('steal_cores', float('nan')):.2f}"
@@ -258,6 +292,18 @@ def percentiles_us(samples_ns: list[int]) -> dict[str, float]:
         return s[min(n - 1, int(p * n))] / 1e3
 
     return {"median_us": statistics.median(s) / 1e3, "p10_us": pct(0.10), "p90_us": pct(0.90)}
+
+
+def stats_ns(samples_ns: list[int]) -> dict[str, float]:
+    """Per-call times (ns) -> median / p10 / p90 / mean in µs, and the count."""
+    n = len(samples_ns)
+    return {**percentiles_us(samples_ns), "mean_us": sum(samples_ns) / n / 1e3, "n": n}
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of ``text`` (an exception's message in a traceback)."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def problem(err: str) -> str:
@@ -367,7 +413,8 @@ def round_values(system: str, texts: list[str], problems: list[str]) -> str:
 
 def round_loads(rounds: list[dict[str, Any]]) -> list[str]:
     """Other load while measuring (cores) of each round, '?' where unknown."""
-    return [f"{r['load']['foreign_cores']:.2f}" if r.get("load") else "?" for r in rounds]
+    loads = [load_cores(r.get("load")) for r in rounds]
+    return [f"{load['foreign_cores']:.2f}" if load else "?" for load in loads]
 
 
 def machine_line(meta: dict[str, Any], packages: list[str]) -> str:

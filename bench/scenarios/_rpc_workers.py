@@ -1,4 +1,4 @@
-"""The processes ``rpc_bench.py`` spawns: RPC caller/callee pairs and a raw grpc.aio pair.
+"""The processes the ``rpc`` scenario (``rpc.py``) starts: RPC caller/callee pairs and a raw grpc.aio pair.
 
 Every measuring process talks to the orchestrator over a ``multiprocessing`` Pipe:
 
@@ -42,12 +42,6 @@ GRPC_OPTIONS = [
 # ------------------------------------------------------------------------------------------------
 # shared by every child
 # ------------------------------------------------------------------------------------------------
-def _stats_ns(samples_ns: list[int]) -> dict[str, float]:
-    """Per-call times (ns) -> median / p10 / p90 / mean in µs."""
-    n = len(samples_ns)
-    return {**H.percentiles_us(samples_ns), "mean_us": sum(samples_ns) / n / 1e3, "n": n}
-
-
 class _Reporter:
     """Runs phases, reports them, and keeps going after a failing phase."""
 
@@ -121,8 +115,9 @@ def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -
     import gc
     import threading
 
-    import _bench_functions as F
     import torch
+
+    from scenarios import _rpc_functions as F
 
     peer = "callee"
 
@@ -141,7 +136,7 @@ def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -
             t0 = clock()
             rpc.rpc_sync(peer, F.noop)
             samples.append(clock() - t0)
-        return _stats_ns(samples)
+        return H.stats_ns(samples)
 
     def window_batch(n: int, window: int) -> float:
         """n no-op rpc_async calls with at most ``window`` outstanding; returns calls/s."""
@@ -182,7 +177,7 @@ def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -
             t0 = clock()
             rpc.rpc_sync(peer, F.sink, args=(x,))
             samples.append(clock() - t0)
-        st = _stats_ns(samples)
+        st = H.stats_ns(samples)
         st["MBps"] = (size / MiB) / (st["median_us"] / 1e6)
         return st
 
@@ -197,7 +192,7 @@ def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -
             samples.append(clock() - t0)
             if value != i + 1:
                 raise RuntimeError(f"remote(small, {i}).to_here() gave {value!r}")
-        return _stats_ns(samples)
+        return H.stats_ns(samples)
 
     def wait_created(rref: Any, deadline: float) -> None:
         """Until the owner has run the ``remote()`` that made ``rref`` (raises its error)."""
@@ -221,7 +216,7 @@ def _rpc_phases(system: str, rpc: Any, report: _Reporter, cfg: dict[str, Any]) -
             t0 = clock()
             target.rpc_sync().noop()
             samples.append(clock() - t0)
-        return _stats_ns(samples)
+        return H.stats_ns(samples)
 
     def owner_stats() -> dict[str, int]:
         return rpc.rpc_sync(peer, F.memory_stats, args=(system,))
@@ -389,7 +384,7 @@ def grpc_client(port: int, conn: Any, cfg: dict[str, Any], stack_file: str, life
                 t0 = clock()
                 await unary(tiny)
                 samples.append(clock() - t0)
-            return _stats_ns(samples)
+            return H.stats_ns(samples)
 
         async def window_batch(n: int, window: int) -> float:
             left = n
@@ -419,7 +414,7 @@ def grpc_client(port: int, conn: Any, cfg: dict[str, Any], stack_file: str, life
                 t0 = clock()
                 await unary(payload)
                 samples.append(clock() - t0)
-            st = _stats_ns(samples)
+            st = H.stats_ns(samples)
             st["MBps"] = (size / MiB) / (st["median_us"] / 1e6)
             return st
 
@@ -437,7 +432,7 @@ def grpc_client(port: int, conn: Any, cfg: dict[str, Any], stack_file: str, life
                 samples.append(clock() - t0)
                 if int.from_bytes(got, "little") != size:
                     raise RuntimeError(f"server received {int.from_bytes(got, 'little')} of {size} bytes")
-            st = _stats_ns(samples)
+            st = H.stats_ns(samples)
             st["MBps"] = (size / MiB) / (st["median_us"] / 1e6)
             return st
 

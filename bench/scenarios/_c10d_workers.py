@@ -1,4 +1,4 @@
-"""The processes ``c10d_bench.py`` starts: the ranks of one process group of one system.
+"""The processes the ``c10d`` scenario (``c10d.py``) starts: the ranks of one process group of one system.
 
 A group is ``world`` processes of one system ("gloo": ``torch.distributed`` with backend gloo;
 "rpcdist": ``import rpcdist as dist``, backend grpc) that join one default process group and
@@ -59,24 +59,6 @@ def iterations(cfg: dict[str, Any], kind: str, size: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------------
-# process setup
-# ------------------------------------------------------------------------------------------------
-def _injected(var: str, system: str, phase: str, rank: int, default_rank: int) -> bool:
-    spec = os.environ.get(var, "")
-    for item in filter(None, spec.split(",")):
-        parts = item.split(":")
-        if len(parts) >= 2 and parts[0] == system and parts[1] == phase:
-            want = int(parts[2]) if len(parts) > 2 else default_rank
-            if want == rank:
-                return True
-    return False
-
-
-def nothing() -> None:
-    """A process that only starts (warms the forkserver up)."""
-
-
-# ------------------------------------------------------------------------------------------------
 # one rank
 # ------------------------------------------------------------------------------------------------
 def rank_main(
@@ -123,22 +105,22 @@ def rank_main(
             raise RuntimeError(f"joined as rank {dist.get_rank()} of {dist.get_world_size()}")
     except BaseException:
         conn.send(("error", "init", traceback.format_exc()))
-        _wait_for_stop(conn)
+        H.wait_for_stop(conn)
         return
     conn.send(("result", "init", {}))
 
     for name, kind, size in phases:
         conn.send(("phase", name, cfg["phase_budget"]))
         try:
-            if _injected("C10DBENCH_FAIL", system, name, rank, world - 1):
+            if H.injected("C10DBENCH_FAIL", system, name, rank, world - 1):
                 raise RuntimeError(f"failure injected into phase {name!r} on rank {rank} by C10DBENCH_FAIL")
-            if _injected("C10DBENCH_HANG", system, name, rank, 0):
+            if H.injected("C10DBENCH_HANG", system, name, rank, 0):
                 while True:  # a hang, injected by C10DBENCH_HANG
                     time.sleep(1)
             result = _measure(dist, torch, kind, size, rank, world, cfg)
         except BaseException:
             conn.send(("error", name, traceback.format_exc()))
-            _wait_for_stop(conn)  # the group may be out of step now: do not run on
+            H.wait_for_stop(conn)  # the group may be out of step now: do not run on
             return
         conn.send(("result", name, result))
 
@@ -150,16 +132,6 @@ def rank_main(
         conn.send(("error", "shutdown", traceback.format_exc()))
         return
     conn.send(("done",))
-
-
-def _wait_for_stop(conn: Any) -> None:
-    """After a failure: stay alive (so stacks and peers' errors can be collected) until the
-    orchestrator stops this group."""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
 
 
 def _measure(

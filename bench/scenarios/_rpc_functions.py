@@ -1,8 +1,8 @@
-"""Functions the benchmark's RPC callers run on the callee.
+"""Functions the ``rpc`` scenario's callers run on the callee.
 
-They live in their own module (not in ``rpc_bench.py``, which is ``__main__`` in the
-orchestrator) so both torch.distributed.rpc and rpcdist can pickle them by reference: every
-benchmark process puts this directory on ``sys.path`` before it imports anything else.
+They live in their own module (not in the driver, which is ``__main__`` in the orchestrator)
+so both torch.distributed.rpc and rpcdist can pickle them by reference: every benchmark
+process has ``bench/`` on ``sys.path`` before it imports anything else.
 Keep them trivial: the benchmark measures the transport, not the function.
 """
 

@@ -1,4 +1,4 @@
-"""The processes ``autograd_bench.py`` starts, and the functions they call on each other.
+"""The processes the ``autograd`` scenario (``autograd.py``) starts, and what they call on each other.
 
 A group is the processes of one scenario of one system ("torch": ``torch.distributed.rpc`` /
 ``torch.distributed.autograd`` / ``torch.distributed.optim``, TensorPipe defaults; "rpcdist":
@@ -27,7 +27,7 @@ the library under test:
                            ("stop",)                    give up (another rank failed)
 
 The functions that run on a peer (``ps_forward``, ``stage2_forward``, ...) live here, not in
-``autograd_bench.py`` (``__main__`` in the orchestrator), so both systems pickle them by
+the driver (``__main__`` in the orchestrator), so both systems pickle them by
 reference: every benchmark process has this directory on ``sys.path``.
 
 Failure injection for the harness's own tests: ``AGBENCH_FAIL`` / ``AGBENCH_HANG`` =
@@ -135,35 +135,10 @@ def _modules(system: str) -> tuple[Any, Any, Any]:
     return rpc, dist_autograd, DistributedOptimizer
 
 
-def _injected(var: str, system: str, phase: str, rank: int, default_rank: int) -> bool:
-    spec = os.environ.get(var, "")
-    for item in filter(None, spec.split(",")):
-        parts = item.split(":")
-        if len(parts) >= 2 and parts[0] == system and parts[1] == phase:
-            want = int(parts[2]) if len(parts) > 2 else default_rank
-            if want == rank:
-                return True
-    return False
-
-
 def worker_name(scenario: str, rank: int) -> str:
     if scenario == "ps":
         return "ps" if rank == 0 else f"trainer{rank}"
     return "driver" if rank == 0 else "stage2"
-
-
-def nothing() -> None:
-    """A process that only starts (warms the forkserver up)."""
-
-
-def _wait_for_stop(conn: Any) -> None:
-    """After a failure: stay alive (so stacks and the peers' errors can be collected) until the
-    orchestrator stops the group."""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)
 
 
 class _Phases:
@@ -175,17 +150,17 @@ class _Phases:
     def run(self, name: str, fn: Any, *args: Any, budget: float | None = None) -> Any:
         self.conn.send(("phase", name, budget or self.cfg["phase_budget"]))
         try:
-            if _injected("AGBENCH_FAIL", self.system, name, self.rank, self.world - 1):
+            if H.injected("AGBENCH_FAIL", self.system, name, self.rank, self.world - 1):
                 raise RuntimeError(
                     f"failure injected into phase {name!r} on rank {self.rank} by AGBENCH_FAIL"
                 )
-            if _injected("AGBENCH_HANG", self.system, name, self.rank, self.world - 1):
+            if H.injected("AGBENCH_HANG", self.system, name, self.rank, self.world - 1):
                 while True:  # a hang, injected by AGBENCH_HANG
                     time.sleep(1)
             result = fn(*args)
         except BaseException:
             self.conn.send(("error", name, traceback.format_exc()))
-            _wait_for_stop(self.conn)
+            H.wait_for_stop(self.conn)
             raise  # not reached
         self.conn.send(("result", name, result if isinstance(result, dict) else {}))
         return result
@@ -246,11 +221,6 @@ def rank_main(
 
 def _serves(scenario: str, rank: int) -> bool:
     return (scenario == "ps" and rank == 0) or (scenario == "pipeline" and rank == 1)
-
-
-def _stats_ns(samples_ns: list[int]) -> dict[str, float]:
-    n = len(samples_ns)
-    return {**H.percentiles_us(samples_ns), "mean_us": sum(samples_ns) / n / 1e3, "n": n}
 
 
 def _batches(cfg: dict[str, Any], seed: int) -> list[tuple[Any, Any]]:
@@ -335,7 +305,7 @@ def _trainer(
             "end": end,
             "t0": t0,
             "steps_per_s": len(samples) / (end - start),
-            "step": _stats_ns(samples),
+            "step": H.stats_ns(samples),
             "loss_first": statistics.fmean(losses[: len(data)]),
             "loss_last": statistics.fmean(losses[-len(data) :]),
         }
@@ -413,7 +383,7 @@ def _driver(system: str, rpc: Any, dist_autograd: Any, phases: _Phases, cfg: dic
                     a = clock()
                     fn(i)
                     out.append(clock() - a)
-        res = {kind: _stats_ns(s) for kind, s in samples.items()}
+        res = {kind: H.stats_ns(s) for kind, s in samples.items()}
         res["overhead_us"] = res["autograd"]["median_us"] - res["plain"]["median_us"]
         return res
 
