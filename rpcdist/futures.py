@@ -1,20 +1,31 @@
-"""A thread-safe Future in the shape of ``torch.futures.Future`` that asyncio can await.
+"""rpcdist's Future: a ``torch.futures.Future`` that asyncio can await.
 
-Every asynchronous rpcdist API returns one. From plain threads use ``wait()``/``value()``;
-from any running event loop simply ``await`` it::
+Every asynchronous rpcdist API returns one, and it *is* a torch future (a subclass), so
+``torch.futures.wait_all``, ``torch.futures.collect_all``, ``then`` and
+``add_done_callback`` work on it exactly as on torch's own. From plain threads use
+``wait()``/``value()``; from any running event loop simply ``await`` it::
 
     fut = rpc.rpc_async("worker1", torch.add, args=(t, 1))
-    result = fut.wait()          # blocking, any thread but the rpcdist loop
-    result = await fut           # inside async code
+    result = fut.wait()                       # blocking, any thread but the rpcdist loop
+    result = await fut                        # inside async code
+    torch.futures.wait_all([fut, other])      # torch's helpers accept it
+
+What rpcdist adds to torch's Future: ``await``; ``wait(timeout)``; ``exception()``; a
+``wait()`` on the event loop that completes it raises ``BlockingCallError`` instead of
+deadlocking; ``then`` returns an rpcdist Future (so it stays awaitable).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
+
+import torch
 
 from rpcdist.errors import BlockingCallError
 
@@ -24,80 +35,106 @@ S = TypeVar("S")
 
 __all__ = ["Future", "collect_all", "wait_all"]
 
-_PENDING = object()
+
+class _Failure:
+    """What a failed future holds on torch's (C++) side: a weak reference to the future.
+
+    The exception itself stays in the Python object (``_error``), where the garbage collector
+    sees it: an exception's traceback refers to frames that refer to the future, and a cycle
+    through torch's C++ side could never be collected (RRefs in those frames would leak).
+    """
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future[Any]) -> None:
+        self.future = weakref.ref(future)
 
 
-class Future(Generic[T]):
-    """The eventual result of an asynchronous operation.
+def _raise_failure(failure: _Failure) -> Any:
+    future = failure.future()
+    error = future._error if future is not None else None
+    del future
+    if error is None:
+        raise RuntimeError("the future failed, and its exception was freed with it")
+    raise _fresh(error)
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A copy of ``error`` to raise (same type, message, attributes, notes and origin).
+
+    Raising the stored exception itself would attach the waiting frames, which refer to the
+    future, to an exception the future holds: a cycle that keeps whatever those frames hold
+    (RRefs, tensors) alive until the garbage collector runs. A copy belongs to the caller.
+    """
+    try:
+        clone = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception class that cannot be rebuilt: raise it as is
+        return error
+    if type(clone) is not type(error):
+        return error
+    clone.__cause__ = error.__cause__
+    clone.__context__ = error.__context__
+    clone.__suppress_context__ = error.__suppress_context__
+    return clone.with_traceback(error.__traceback__)
+
+
+class Future(torch.futures.Future[T]):
+    """The eventual result of an asynchronous operation (a ``torch.futures.Future``).
 
     Completion may happen on any thread; callbacks run on the thread that completes it.
     """
 
-    __slots__ = ("_lock", "_result", "_exception", "_callbacks", "_event", "_loop_hint")
-
-    def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self._lock = threading.Lock()
-        self._result: Any = _PENDING
-        self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[Future[T]], None]] = []
-        self._event: threading.Lock | None = None  # held while a thread waits; released on completion
+    def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None, devices: Any = None) -> None:
+        super().__init__(devices=devices)
+        # Serialises completions: torch's set_exception is two steps, and rpcdist completes
+        # futures from several threads (replies, timeouts, lost links) that may race.
+        self._completion_lock = threading.RLock()
+        self._error: BaseException | None = None
         # The loop whose thread completes this future, so wait() there can refuse to deadlock.
         self._loop_hint = loop
 
     # -- completing ----------------------------------------------------------------------------
     def set_result(self, result: T) -> None:
-        """Complete with ``result`` (an error if already complete)."""
-        self._complete(result, None)
+        """Complete with ``result`` (RuntimeError if already complete, as torch)."""
+        if not self._try_complete(result, None):
+            raise RuntimeError(
+                "Attempting to mark a completed Future as complete again. "
+                "Note that a Future can only be marked completed once."
+            )
 
-    def set_exception(self, exception: BaseException) -> None:
-        """Complete with ``exception``: ``wait()``, ``value()`` and ``await`` raise it."""
-        self._complete(None, exception)
-
-    def _complete(self, result: Any, exception: BaseException | None) -> None:
-        with self._lock:
-            if self._result is not _PENDING or self._exception is not None:
-                raise RuntimeError("this Future is already complete")
-            if exception is None:
-                self._result = result
-            else:
-                self._exception = exception
-            callbacks, self._callbacks = self._callbacks, []
-            event = self._event
-        if event is not None:
-            event.release()
-        for callback in callbacks:
-            self._run_callback(callback)
+    def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
+        """Complete with an exception: ``wait()``, ``value()`` and ``await`` raise it."""
+        if not isinstance(result, BaseException):
+            raise AssertionError(f"{result} is of type {type(result)}, not an Exception.")
+        if not self._try_complete(None, result):
+            raise RuntimeError(
+                "Attempting to mark a completed Future as complete again. "
+                "Note that a Future can only be marked completed once."
+            )
 
     def _try_complete(self, result: Any, exception: BaseException | None) -> bool:
         """Complete unless already complete; returns whether this call completed it."""
-        try:
-            self._complete(result, exception)
-        except RuntimeError:
-            return False
+        with self._completion_lock:
+            if super().done():
+                return False
+            if exception is None:
+                super().set_result(result)
+            else:
+                self._error = exception
+                super()._set_unwrap_func(_raise_failure)
+                super().set_result(_Failure(self))
         return True
 
-    def _run_callback(self, callback: Callable[[Future[T]], None]) -> None:
-        try:
-            callback(self)
-        except Exception:
-            log.exception("a Future callback raised")
-
     # -- inspecting -----------------------------------------------------------------------------
-    def done(self) -> bool:
-        """Whether the result (or an exception) is set."""
-        return self._result is not _PENDING or self._exception is not None
-
     def value(self) -> T:
         """The result of a completed future (raises its exception if it failed)."""
-        if self._exception is not None:
-            raise self._exception
-        if self._result is _PENDING:
+        if not super().done():
             raise RuntimeError("Future.value() called before the future completed; use wait()")
-        return self._result
+        return super().value()
 
     def exception(self) -> BaseException | None:
         """The exception of a completed, failed future (``None`` otherwise)."""
-        return self._exception
+        return self._error
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until complete, then return the result or raise the exception.
@@ -105,64 +142,67 @@ class Future(Generic[T]):
         ``timeout`` (seconds) bounds the wait with a ``TimeoutError``; RPC futures also carry
         their own call timeout.
         """
-        if not self.done():
+        if not super().done():
             loop = self._loop_hint
             if loop is not None and _running_loop() is loop:
                 raise BlockingCallError(
                     "Future.wait() on the rpcdist event loop would block it forever; use `await future`"
                 )
-            with self._lock:
-                if not self.done() and self._event is None:
-                    self._event = threading.Lock()
-                    self._event.acquire()
-                event = self._event
-            if event is not None:
-                # A plain lock is the cheapest cross-thread wake-up; pass it on to the next waiter.
-                if not event.acquire(timeout=-1 if timeout is None else timeout):
+            if timeout is not None:
+                finished = threading.Event()
+                super().add_done_callback(lambda _: finished.set())
+                if not finished.wait(timeout):
                     raise TimeoutError(f"Future not complete after {timeout} s")
-                event.release()
-        return self.value()
+        return super().wait()
 
     # -- chaining ---------------------------------------------------------------------------------
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
-        """Call ``callback(self)`` once complete (at once if it already is)."""
-        with self._lock:
-            if not self.done():
-                self._callbacks.append(callback)
-                return
-        self._run_callback(callback)
+        """Call ``callback(self)`` once complete (at once if it already is). An exception in
+        ``callback`` is logged, never raised into whoever completed the future."""
+        if not callable(callback):
+            raise TypeError(f"add_done_callback() needs a callable, not {type(callback).__name__}")
+
+        def run(fut: Any) -> None:  # ``fut`` is this future (never ``self`` here: see _Failure)
+            try:
+                callback(fut)
+            except Exception:
+                log.exception("a Future callback raised")
+
+        super().add_done_callback(run)
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new Future completed with ``callback(self)`` (or the exception it raises)."""
+        if not callable(callback):
+            raise TypeError(f"then() needs a callable, not {type(callback).__name__}")
         chained: Future[S] = Future(loop=self._loop_hint)
 
-        def run(fut: Future[T]) -> None:
+        def run(fut: Any) -> None:
             try:
-                chained.set_result(callback(fut))
+                chained._try_complete(callback(fut), None)
             except BaseException as exc:  # noqa: BLE001 - the chained future carries it
-                chained.set_exception(exc)
+                chained._try_complete(None, exc)
 
-        self.add_done_callback(run)
+        super().add_done_callback(run)
         return chained
 
     # -- asyncio -----------------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, None, T]:
-        if not self.done():
+        if not super().done():
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
-            def wake(_: Future[T]) -> None:
+            def wake(_: Any) -> None:
                 if _running_loop() is loop:
                     _settle(waiter)
                 else:
                     loop.call_soon_threadsafe(_settle, waiter)
 
-            self.add_done_callback(wake)
+            super().add_done_callback(wake)
             yield from waiter.__await__()
-        return self.value()
+        return super().wait()
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._exception else "done")
+        state = "pending" if not super().done() else ("failed" if self._error is not None else "done")
         return f"<rpcdist.Future {state}>"
 
 
@@ -178,17 +218,21 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def collect_all(futures: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
-    """A Future completed (with the list of input futures) once all of them are complete."""
+def collect_all(futures: Iterable[torch.futures.Future[Any]]) -> Future[list[Any]]:
+    """A Future completed (with the list of input futures) once all of them are complete.
+
+    Accepts rpcdist's and torch's futures; unlike ``torch.futures.collect_all`` the result is
+    awaitable.
+    """
     futures = list(futures)
-    combined: Future[list[Future[Any]]] = Future()
+    combined: Future[list[Any]] = Future()
     remaining = [len(futures)]
     lock = threading.Lock()
     if not futures:
         combined.set_result([])
         return combined
 
-    def one_done(_: Future[Any]) -> None:
+    def one_done(_: Any) -> None:
         with lock:
             remaining[0] -= 1
             last = remaining[0] == 0
@@ -200,8 +244,8 @@ def collect_all(futures: Iterable[Future[Any]]) -> Future[list[Future[Any]]]:
     return combined
 
 
-def wait_all(futures: Iterable[Future[Any]], timeout: float | None = None) -> list[Any]:
-    """Wait for every future; returns their values (raises the first failure)."""
+def wait_all(futures: Iterable[torch.futures.Future[Any]], timeout: float | None = None) -> list[Any]:
+    """Wait for every future; returns their values (raises the first failure, as torch's)."""
     futures = list(futures)
     collect_all(futures).wait(timeout)
-    return [fut.value() for fut in futures]
+    return [fut.wait() for fut in futures]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import io
+import pickle
 import sys
 import threading
 import time
@@ -513,6 +515,15 @@ def _api_checks() -> None:  # noqa: C901 - a list of independent checks
                 rpc.remote(to, rf.raise_custom, ("custom boom", 3)).to_here(CALL_TIMEOUT)
             assert r.value.code == 3 and r.value.message == "custom boom"
 
+    with check("rref/plain_pickle_refused"):
+        local = rpc.RRef(35)
+        with raises(RuntimeError, match="Can not pickle rref in python pickler"):
+            pickle.dumps(local)
+        buffer = io.BytesIO()
+        with raises(RuntimeError, match="Can not pickle rref in python pickler"):
+            torch.save(local, buffer)
+        assert rpc.rpc_sync("w1", rf.add, (1, 2), timeout=CALL_TIMEOUT) == 3  # nothing leaked a hold
+
     with check("future/api"):
         fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.5,), timeout=CALL_TIMEOUT)
         assert not fut.done(), "a 0.5 s call reported done as soon as it was issued"
@@ -540,6 +551,21 @@ def _api_checks() -> None:  # noqa: C901 - a list of independent checks
         failing_callback = rpc.rpc_async("w1", rf.add, (1, 2), timeout=CALL_TIMEOUT).then(lambda f: 1 / 0)
         with raises(ZeroDivisionError):
             failing_callback.wait()
+
+    with check("future/torch_futures"):
+        futs = [rpc.rpc_async("w1", rf.add, (i, 1), timeout=CALL_TIMEOUT) for i in range(8)]
+        assert all(isinstance(f, torch.futures.Future) for f in futs), [type(f) for f in futs]
+        assert torch.futures.wait_all(futs) == [i + 1 for i in range(8)]
+        combined = torch.futures.collect_all([rpc.rpc_async("w1", rf.add, (2, 3), timeout=CALL_TIMEOUT)])
+        assert [f.wait() for f in combined.wait()] == [5]
+        chained = rpc.rpc_async("w1", rf.add, (1, 1), timeout=CALL_TIMEOUT).then(lambda f: f.wait() * 3)
+        assert isinstance(chained, torch.futures.Future) and chained.wait() == 6
+        with raises(TypeError):
+            rpc.rpc_async("w1", rf.add, (1, 1), timeout=CALL_TIMEOUT).then(None)
+        bad = rpc.rpc_async("w1", rf.raise_value_error, ("torch wait_all boom",), timeout=CALL_TIMEOUT)
+        with raises(ValueError, match="torch wait_all boom"):
+            torch.futures.wait_all([bad])
+        assert isinstance(rpc.remote("w1", rf.add, (1, 2)).to_here_async(), torch.futures.Future)
 
     with check("future/await_other_loop"):
         fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.3,), timeout=CALL_TIMEOUT)

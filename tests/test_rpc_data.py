@@ -100,13 +100,14 @@ def test_worker_info_as_destination(run: GroupRun) -> None:
         "proxies",
         "raises/w1",
         "raises/w0",
+        "plain_pickle_refused",
     ],
 )
 def test_rref(run: GroupRun, name: str) -> None:
     run.check(f"rref/{name}")
 
 
-@pytest.mark.parametrize("name", ["api", "errors", "await_other_loop"])
+@pytest.mark.parametrize("name", ["api", "errors", "torch_futures", "await_other_loop"])
 def test_future(run: GroupRun, name: str) -> None:
     run.check(f"future/{name}")
 

@@ -23,7 +23,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CallExtension", "TensorReducer", "collecting_undo", "on_undelivered", "run_undo"]
+__all__ = [
+    "CallExtension",
+    "TensorReducer",
+    "collecting_undo",
+    "on_undelivered",
+    "pickling_message",
+    "run_undo",
+]
 
 TensorReducer = Callable[[torch.Tensor, tuple[Any, ...]], Any]
 """Given a tensor requiring grad and the default rebuild arguments, the ``(callable, args)``
@@ -65,6 +72,12 @@ def on_undelivered(callback: Callable[[], None]) -> None:
     callbacks = getattr(_undo, "callbacks", None)
     if callbacks is not None:
         callbacks.append(callback)
+
+
+def pickling_message() -> bool:
+    """Whether this thread is pickling an rpcdist message right now (RRefs and RemoteModules
+    refuse plain ``pickle``, as torch's do)."""
+    return getattr(_undo, "callbacks", None) is not None
 
 
 def run_undo(callbacks: Iterable[Callable[[], None]]) -> None:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from rpcdist.errors import MembershipError
 
 __all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo"]
 
 DEFAULT_RPC_TIMEOUT = 60.0
+MAX_NAME_LEN = 128
+_VALID_NAME = re.compile(r"[A-Za-z0-9_:\-]+")
 DEFAULT_INIT_METHOD = "env://"
 
 
@@ -25,6 +30,13 @@ class WorkerInfo:
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        if not _VALID_NAME.fullmatch(self.name or "") or len(self.name) >= MAX_NAME_LEN:
+            raise MembershipError(  # torch's wording (a RuntimeError, and a ValueError)
+                f"Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than "
+                f"{MAX_NAME_LEN} chars, but got {self.name}"
+            )
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"

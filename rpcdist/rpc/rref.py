@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rpcdist import serialization
-from rpcdist.agent.extensions import on_undelivered
+from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RpcError, annotate_remote
@@ -387,6 +387,10 @@ class RRef(Generic[T]):
 
     # -- pickling ----------------------------------------------------------------------------------
     def __reduce__(self) -> Any:
+        if not pickling_message():
+            raise RuntimeError(  # torch's wording; the owner would never learn of the copy
+                "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+            )
         context = _context()
         token = context.hold_child(self)
         # If the message never reaches its receiver, the hold is given back.

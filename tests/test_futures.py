@@ -1,0 +1,157 @@
+"""rpcdist's Future is a torch.futures.Future: torch's helpers and semantics work on it, and it
+stays awaitable and safe to wait on from any thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from rpcdist.errors import BlockingCallError
+from rpcdist.futures import Future, collect_all, wait_all
+
+
+def _complete_later(fut: Future, value: object, delay: float = 0.05) -> None:
+    threading.Timer(delay, fut.set_result, (value,)).start()
+
+
+def test_is_a_torch_future_that_torch_helpers_accept() -> None:
+    futs = [Future() for _ in range(3)]
+    assert all(isinstance(f, torch.futures.Future) for f in futs)
+    for i, fut in enumerate(futs):
+        _complete_later(fut, i * 10, 0.02 * (i + 1))
+    assert torch.futures.wait_all(futs) == [0, 10, 20]
+    assert [f.wait() for f in torch.futures.collect_all(futs).wait()] == [0, 10, 20]
+
+
+def test_set_exception_raises_from_wait_value_and_torch_wait_all() -> None:
+    fut: Future[int] = Future()
+    fut.set_exception(ValueError("boom"))
+    assert fut.done() and isinstance(fut.exception(), ValueError)
+    for get in (fut.wait, fut.value, lambda: torch.futures.wait_all([fut])):
+        with pytest.raises(ValueError, match="boom"):
+            get()
+
+
+def test_completing_twice_raises_torchs_error() -> None:
+    fut: Future[int] = Future()
+    fut.set_result(1)
+    with pytest.raises(RuntimeError, match="completed once"):
+        fut.set_result(2)
+    with pytest.raises(RuntimeError, match="completed once"):
+        fut.set_exception(ValueError("late"))
+    assert fut.wait() == 1 and fut.exception() is None
+
+
+def test_racing_completions_keep_exactly_one_outcome() -> None:
+    for _ in range(200):
+        fut: Future[object] = Future()
+        barrier = threading.Barrier(2)
+        outcomes: list[bool] = []
+
+        def complete(
+            fut: Future[object], barrier: threading.Barrier, outcomes: list[bool], value: object, error: Any
+        ) -> None:
+            barrier.wait()
+            outcomes.append(fut._try_complete(value, error))  # type: ignore[arg-type]
+
+        threads = [
+            threading.Thread(target=complete, args=(fut, barrier, outcomes, 1, None)),
+            threading.Thread(target=complete, args=(fut, barrier, outcomes, None, ValueError("x"))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == [False, True]
+        if fut.exception() is None:
+            assert fut.wait() == 1
+        else:
+            with pytest.raises(ValueError):
+                fut.wait()
+
+
+def test_then_returns_an_awaitable_rpcdist_future_and_carries_errors() -> None:
+    fut: Future[int] = Future()
+    doubled = fut.then(lambda f: f.value() * 2)
+    failing = fut.then(lambda f: 1 / 0)
+    assert isinstance(doubled, Future)
+    fut.set_result(21)
+    assert doubled.wait() == 42
+    with pytest.raises(ZeroDivisionError):
+        failing.wait()
+    with pytest.raises(TypeError):
+        fut.then(None)  # type: ignore[arg-type]
+
+
+def test_callbacks_get_the_future_itself_and_a_raising_callback_is_contained() -> None:
+    fut: Future[int] = Future()
+    seen: list[object] = []
+    fut.add_done_callback(lambda f: 1 / 0)
+    fut.add_done_callback(seen.append)
+    fut.set_result(5)  # the first callback's error is logged, not raised here
+    assert seen == [fut]
+    late: list[object] = []
+    fut.add_done_callback(late.append)
+    assert late == [fut], "a callback added to a completed future runs at once"
+
+
+def test_await_from_any_loop_and_wait_timeout() -> None:
+    fut: Future[str] = Future()
+
+    async def main() -> str:
+        _complete_later(fut, "done")
+        return await fut
+
+    assert asyncio.run(main()) == "done"
+    never: Future[str] = Future()
+    with pytest.raises(TimeoutError):
+        never.wait(0.05)
+
+
+def test_wait_on_the_completing_loop_is_refused() -> None:
+    async def main() -> None:
+        fut: Future[int] = Future(loop=asyncio.get_running_loop())
+        with pytest.raises(BlockingCallError):
+            fut.wait()
+        fut.set_result(3)
+        assert await fut == 3
+
+    asyncio.run(main())
+
+
+def test_collect_all_and_wait_all_accept_torch_and_rpcdist_futures() -> None:
+    ours: Future[int] = Future()
+    theirs: torch.futures.Future[int] = torch.futures.Future()
+    combined = collect_all([ours, theirs])
+    _complete_later(ours, 1)
+    threading.Timer(0.05, theirs.set_result, (2,)).start()
+    assert [f.wait() for f in combined.wait(10)] == [1, 2]
+    assert wait_all([ours, theirs], timeout=10) == [1, 2]
+
+
+def test_a_failed_future_and_what_its_traceback_holds_are_collected() -> None:
+    """The raised exception's traceback refers back to the future (and its caller's locals):
+    that cycle must stay visible to the garbage collector, or RRefs in those frames leak."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def fail_and_catch() -> weakref.ref[Held]:
+        held = Held()  # a local of a frame the traceback keeps
+        fut: Future[int] = Future()
+        fut.set_exception(ValueError("collected?"))
+        try:
+            fut.wait()
+        except ValueError as exc:
+            fut.kept_error = exc  # type: ignore[attr-defined]  # future -> error -> frames -> future
+        return weakref.ref(held)
+
+    held_ref = fail_and_catch()
+    gc.collect()
+    assert held_ref() is None, "a failed future's traceback cycle was not collected"
