@@ -7,6 +7,10 @@ The model is an MLP for a synthetic regression, cut into consecutive :class:`Sta
 each created on its own worker with ``rpc.remote``. The master, which holds only RRefs to the
 stages, runs :class:`PipelineNet`: it feeds the micro-batches of a batch through the stages so
 that, while one stage works on micro-batch ``i``, the stage before it already works on ``i + 1``.
+
+:class:`RemoteModulePipeline` is the same model built from ``rpcdist.nn.RemoteModule`` stages
+(``--remote-modules``), its micro-batches gathered with ``torch.futures.wait_all`` as in torch's
+own RemoteModule tutorials.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 import rpcdist.rpc as rpc
 from rpcdist.futures import wait_all
+from rpcdist.nn import RemoteModule
 
 N_FEATURES = 16
 
@@ -62,23 +67,68 @@ class Stage(nn.Module):
         return [rpc.RRef(p) for p in self.parameters()]
 
 
+class TensorStage(Stage):
+    """A :class:`Stage` that takes its input tensor itself (what a RemoteModule's ``forward``
+    is given)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        with self._lock:
+            return self.layers(x)
+
+
+def _cut(sizes: list[int], n: int) -> list[tuple[list[int], bool]]:
+    """Cut ``sizes`` (the widths from input to output) into ``n`` consecutive stages."""
+    n_layers = len(sizes) - 1
+    bounds = [round(k * n_layers / n) for k in range(n + 1)]
+    return [(sizes[bounds[k] : bounds[k + 1] + 1], k == n - 1) for k in range(n)]
+
+
+class RemoteModulePipeline(nn.Module):
+    """On the master: the model as one ``RemoteModule`` per worker.
+
+    Every micro-batch is started on the first stage at once; as each one comes back it goes on
+    to the next stage, so the stages work on different micro-batches at the same time::
+
+        futures = [first.forward_async(x) for x in xs.split(n)]
+        for stage in rest:
+            futures = [stage.forward_async(f.wait()) for f in futures]
+        torch.cat(torch.futures.wait_all(futures))
+    """
+
+    def __init__(self, workers: list[str], sizes: list[int], split_size: int, seed: int) -> None:
+        super().__init__()
+        self.split_size = split_size
+        self.stages = [
+            RemoteModule(f"{worker}/cpu", TensorStage, args=(stage_sizes, last, seed + k))
+            for k, (worker, (stage_sizes, last)) in enumerate(
+                zip(workers, _cut(sizes, len(workers)), strict=True)
+            )
+        ]
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        futures = [self.stages[0].forward_async(x) for x in xs.split(self.split_size)]
+        for stage in self.stages[1:]:
+            futures = [stage.forward_async(fut.wait()) for fut in futures]
+        return torch.cat(torch.futures.wait_all(futures))
+
+    def parameter_rrefs(self) -> list[rpc.RRef[torch.Tensor]]:
+        return [p for stage in self.stages for p in stage.remote_parameters()]
+
+    def stage_names(self) -> list[str]:
+        return [stage.get_module_rref().owner_name() for stage in self.stages]
+
+
 class PipelineNet(nn.Module):
     """On the master: the model, as RRefs to its stages, one per worker."""
 
     def __init__(self, workers: list[str], sizes: list[int], split_size: int, seed: int) -> None:
         super().__init__()
         self.split_size = split_size
-        # Cut `sizes` (the widths from input to output) into len(workers) consecutive stages.
-        n = len(workers)
-        n_layers = len(sizes) - 1
-        bounds = [round(k * n_layers / n) for k in range(n + 1)]
         self.stage_rrefs: list[rpc.RRef[Stage]] = [
-            rpc.remote(
-                worker,
-                Stage,
-                args=(sizes[bounds[k] : bounds[k + 1] + 1], k == n - 1, seed + k),
+            rpc.remote(worker, Stage, args=(stage_sizes, last, seed + k))
+            for k, (worker, (stage_sizes, last)) in enumerate(
+                zip(workers, _cut(sizes, len(workers)), strict=True)
             )
-            for k, worker in enumerate(workers)
         ]
 
     def forward(self, xs: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,9 @@ step runs in a distributed autograd context: ``dist_autograd.backward`` sends th
 back through every stage, and a ``DistributedOptimizer`` (over the RRefs of every stage's
 parameters) has each worker update its own. The task is a synthetic regression (MSE loss).
 
+``--remote-modules`` builds the same stages as ``rpcdist.nn.RemoteModule`` objects instead (torch's
+``RemoteModule`` API) and gathers the micro-batches with ``torch.futures.wait_all``.
+
 The classes live in ``pipeline_functions.py``: rpcdist sends them by name, so every worker
 must be able to import them.
 """
@@ -67,7 +70,8 @@ def train(args: argparse.Namespace) -> None:
     x, y = pf.make_data(N_TRAIN + N_TEST, seed=args.seed)
     x_train, y_train, x_test, y_test = x[:N_TRAIN], y[:N_TRAIN], x[N_TRAIN:], y[N_TRAIN:]
     workers = [worker_name(rank) for rank in range(1, args.stages + 1)]
-    model = pf.PipelineNet(workers, SIZES, split_size=args.split_size, seed=args.seed)
+    net = pf.RemoteModulePipeline if args.remote_modules else pf.PipelineNet
+    model = net(workers, SIZES, split_size=args.split_size, seed=args.seed)
     param_rrefs = model.parameter_rrefs()
     optimizer = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=args.lr, momentum=0.9)
     n_micro = -(-args.batch_size // args.split_size)
@@ -121,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--split-size", type=int, default=32, help="examples per micro-batch (default 32)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
+    parser.add_argument(
+        "--remote-modules",
+        action="store_true",
+        help="build the stages as rpcdist.nn.RemoteModule and gather with torch.futures.wait_all",
+    )
     parser.add_argument(
         "--timeout", type=float, default=None, help="give up and kill the workers after this (s)"
     )

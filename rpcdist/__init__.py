@@ -10,10 +10,19 @@
     rpc.shutdown()
 """
 
-from rpcdist import errors, futures
+from torch.distributed import GradBucket
+
+from rpcdist import constants, errors, futures, rendezvous
 from rpcdist.collectives import api as _c10d
+from rpcdist.collectives import torch_backend as _torch_backend
 from rpcdist.collectives.api import *  # noqa: F403 - the c10d namespace, as torch.distributed
+from rpcdist.constants import default_pg_timeout
 from rpcdist.errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    QueueEmptyError,
     RemoteError,
     RpcdistError,
     RpcError,
@@ -21,10 +30,21 @@ from rpcdist.errors import (
     StoreError,
     StoreTimeoutError,
 )
-from rpcdist.store import FileStore, GrpcStore, HashStore, PrefixStore, Store, StoreServer
+from rpcdist.store import (
+    FileStore,
+    GrpcStore,
+    HashStore,
+    PrefixStore,
+    Store,
+    StoreServer,
+    TCPStore,
+    TorchStore,
+)
 
 __version__ = "0.1.0"
+_torch_backend.register()  # torch.distributed.init_process_group("rpcdist", ...)
 group = _c10d.GroupMember  # dist.group.WORLD, as in torch
+rendezvous.__class__ = _c10d._CallableRendezvousModule  # the module, callable as torch's function
 
 __all__ = [
     *_c10d.__all__,
@@ -43,4 +63,16 @@ __all__ = [
     "StoreTimeoutError",
     "errors",
     "futures",
+    # torch.distributed names: stores, errors, constants, rendezvous
+    "TCPStore",
+    "TorchStore",
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "QueueEmptyError",
+    "GradBucket",
+    "constants",
+    "default_pg_timeout",
+    "rendezvous",
 ]

@@ -1,22 +1,33 @@
 """The errors rpcdist raises, as one tree.
 
 Catch the branch you care about; every class is also a ``RuntimeError`` (as torch's RPC
-errors are), and the timeout/value/type branches are also the matching builtin::
+errors are), the timeout/value/type branches are also the matching builtin, and where the
+meaning matches a class also derives from torch.distributed's ``DistError`` family (marked
+``torch:``), so code written for torch (``except torch.distributed.DistNetworkError``) catches
+rpcdist's errors too::
 
     RpcdistError (RuntimeError)
     ├── BlockingCallError            a blocking call made on the event loop it would block
-    ├── StoreError                   the rendezvous/key-value store failed
+    ├── StoreError                   the rendezvous/key-value store failed   torch: DistStoreError
     │   ├── StoreTimeoutError        (TimeoutError) keys did not appear in time
-    │   └── StoreValueError          (ValueError) e.g. add() on a non-integer value
+    │   ├── StoreValueError          (ValueError) e.g. add() on a non-integer value
+    │   └── StoreConnectionError     the store server is unreachable          torch: DistNetworkError
     ├── RendezvousError              joining the group failed
     │   └── MembershipError          (ValueError) duplicate name, bad rank, world-size mismatch
+    ├── DistributedError             a collective failed (rpcdist.collectives) torch: DistBackendError
+    │   └── CollectiveTimeoutError   (TimeoutError) a peer's message did not arrive in time
     └── RpcError                     a remote call failed
         ├── RpcTimeoutError          (TimeoutError) the call ran past its timeout
         ├── RemoteError              the remote function raised (type not rebuildable here)
-        ├── WorkerUnavailableError   the peer is unknown, gone, or unreachable
+        ├── WorkerUnavailableError   the peer is unknown, gone, or unreachable torch: DistNetworkError
         │   └── UnknownWorkerError   (ValueError) no worker has that name/rank
         ├── PayloadTooLargeError     (ValueError) message above the configured maximum
         └── SerializationError       (TypeError) arguments/results that cannot be pickled
+
+``DistError``, ``DistBackendError``, ``DistNetworkError``, ``DistStoreError`` and
+``QueueEmptyError`` are torch's own classes, re-exported here (``rpcdist.DistError is
+torch.distributed.DistError``). ``DistributedError`` and ``CollectiveTimeoutError`` are defined
+with the process groups (``rpcdist.collectives.group``).
 
 Exceptions raised by a remote function are re-raised at the caller with their own type when
 it can be rebuilt there; their ``remote_traceback`` attribute (and the message) carry the
@@ -25,12 +36,44 @@ callee's traceback, and ``remote_worker``/``remote_function`` say where it happe
 
 from __future__ import annotations
 
+try:
+    from torch.distributed import (
+        DistBackendError,
+        DistError,
+        DistNetworkError,
+        DistStoreError,
+        QueueEmptyError,
+    )
+except ImportError:  # a torch built without distributed support: same names, same tree
+
+    class DistError(RuntimeError):  # type: ignore[no-redef]
+        """Base of torch.distributed's errors."""
+
+    class DistBackendError(DistError):  # type: ignore[no-redef]
+        """A collective backend failed."""
+
+    class DistNetworkError(DistError):  # type: ignore[no-redef]
+        """A network operation failed."""
+
+    class DistStoreError(DistError):  # type: ignore[no-redef]
+        """A store operation failed (e.g. a wait timed out)."""
+
+    class QueueEmptyError(DistStoreError):  # type: ignore[no-redef]
+        """A store queue was empty."""
+
+
 __all__ = [
+    "DistError",
+    "DistBackendError",
+    "DistNetworkError",
+    "DistStoreError",
+    "QueueEmptyError",
     "RpcdistError",
     "BlockingCallError",
     "StoreError",
     "StoreTimeoutError",
     "StoreValueError",
+    "StoreConnectionError",
     "RendezvousError",
     "MembershipError",
     "RpcError",
@@ -52,8 +95,8 @@ class BlockingCallError(RpcdistError):
     """A blocking API was called from the event loop it needs; use its ``await`` form."""
 
 
-class StoreError(RpcdistError):
-    """A store operation failed."""
+class StoreError(RpcdistError, DistStoreError):
+    """A store operation failed (also torch's ``DistStoreError``)."""
 
 
 class StoreTimeoutError(StoreError, TimeoutError):
@@ -62,6 +105,11 @@ class StoreTimeoutError(StoreError, TimeoutError):
 
 class StoreValueError(StoreError, ValueError):
     """A store operation met a value it cannot work on (e.g. ``add`` on non-integer bytes)."""
+
+
+class StoreConnectionError(StoreError, DistNetworkError):
+    """The store server could not be reached or the connection to it broke (also torch's
+    ``DistNetworkError``, which torch's TCPStore raises in that case)."""
 
 
 class RendezvousError(RpcdistError):
@@ -92,8 +140,9 @@ class RemoteError(RpcError):
         self.remote_traceback = remote_traceback
 
 
-class WorkerUnavailableError(RpcError):
-    """The destination worker is gone, unreachable, or shut down."""
+class WorkerUnavailableError(RpcError, DistNetworkError):
+    """The destination worker is gone, unreachable, or shut down (also torch's
+    ``DistNetworkError``)."""
 
 
 class UnknownWorkerError(WorkerUnavailableError, ValueError):

@@ -8,6 +8,12 @@ Three init methods, as torch users know them:
 - ``tcp://host:port``: the same with the address in the URL.
 - ``file:///path``: a file-backed store on a (shared) filesystem.
 
+Under torch's own launcher (``torchrun`` / ``python -m torch.distributed.run``), whose elastic
+agent already serves a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT`` and says so with
+``TORCHELASTIC_USE_AGENT_STORE=True``, ``env://`` connects to that store as torch's workers
+do (through :class:`~rpcdist.store.torch_store.TCPStore`) instead of serving its own, so
+rpcdist programs start under torchrun with no extra flag.
+
 Registration is done with store operations only, so it works the same on every backend:
 ``compare_set`` claims a name and a rank atomically, and conflicts raise
 :class:`~rpcdist.errors.MembershipError` naming both sides.
@@ -27,6 +33,7 @@ from urllib.parse import unquote, urlparse
 
 from rpcdist.errors import MembershipError, RendezvousError, StoreError, StoreTimeoutError
 from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
+from rpcdist.store.torch_store import TCPStore
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +126,21 @@ async def rendezvous(init_method: str, rank: int, world_size: int, timeout: floa
         port = int(port_text)
     except ValueError:
         raise RendezvousError(f"store port must be an integer, got {port_text!r}") from None
+    if url.scheme == "env" and uses_agent_store():
+        log.info("started by torchrun: using its agent's TCPStore at %s:%d", host, port)
+        agent_store = await TCPStore.create_async(
+            host, port, world_size=world_size, is_master=False, timeout=timeout, wait_for_workers=False
+        )
+        return Rendezvous(agent_store, None, host)
     server = None
     if rank == 0:
         server = await _serve_unless_served(host, port)
     return Rendezvous(GrpcStore(host, port, timeout=timeout), server, host)
+
+
+def uses_agent_store() -> bool:
+    """Whether torch's elastic agent (torchrun) serves the store on MASTER_ADDR:MASTER_PORT."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 async def _serve_unless_served(host: str, port: int) -> StoreServer | None:

@@ -83,6 +83,12 @@ def param_rrefs(name: str) -> list[rpc.RRef[Any]]:
     return [rpc.RRef(p) for p in model(name).parameters()]
 
 
+def local_ready(rref: rpc.RRef[Any]) -> bool:
+    """On the owner: ``local_value()`` of an RRef that may have been created a moment ago."""
+    rref.local_value()
+    return True
+
+
 def params(name: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model(name).parameters()]
 

@@ -127,6 +127,7 @@ def ag_main(rank: int, world_size: int, init_method: str, workdir: str, **_: Any
         _retain_graph()
         _errors()
         _optimizers()
+        _owner_side_stress()
         af.create_model("ps", 6, 3, PS_SEED)
         barrier("ps/go", 3)  # the trainers start
         rf.wait_arrivals("ps_done", len(TRAINERS), 150.0)
@@ -134,6 +135,7 @@ def ag_main(rank: int, world_size: int, init_method: str, workdir: str, **_: Any
     else:
         barrier("ps/go", 3)
         _trainer(rank)
+        _optimizer_stress(rank)
         rpc.rpc_sync("w0", rf.arrive, ("ps_done",), timeout=CALL_TIMEOUT)
     finish(rank, world_size)
 
@@ -408,6 +410,40 @@ def _optimizers() -> None:
                 )
             assert_all_close([p.detach() for p in ref_params], [p.detach() for p in got], "parameters")
             assert all(p.grad is None for p in a.parameters()), ".grad left set on w0 after step"
+
+
+# ---------------------------------------------------------------------------- stress: owner-side RRefs
+STRESS_ROUNDS = 200
+
+
+def _owner_side_stress() -> None:
+    """remote() to this worker, then at once local_value()/to_here() here, over and over."""
+    with check("stress/remote_then_local_value_on_owner") as c:
+        start = time.monotonic()
+        for i in range(STRESS_ROUNDS):
+            made = rpc.remote("w0", af.data, (2, 3, i))
+            assert made.local_value().shape == (2, 3)
+            fetched = rpc.remote("w0", af.data, (3, 2, i))
+            assert fetched.to_here(timeout=CALL_TIMEOUT).shape == (3, 2)
+        c.value = round(time.monotonic() - start, 2)
+
+
+def _optimizer_stress(rank: int) -> None:
+    """Both trainers at once: build a DistributedOptimizer over the parameter server's
+    parameters and drop the parameter RRefs at once (so this trainer's forks may be released
+    while the owner builds its local optimizer from them); and remote() on the owner followed
+    at once by local_value() there. No stall, no error."""
+    with check(f"stress/optimizers_from_trainers/{rank}") as c:
+        start = time.monotonic()
+        for i in range(STRESS_ROUNDS):
+            rrefs = rpc.rpc_sync("w0", af.param_rrefs, ("ps",), timeout=CALL_TIMEOUT)
+            opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.0)
+            del rrefs
+            for local_optimizer in opt.remote_optimizers:
+                assert rpc.rpc_sync("w0", af.local_ready, (local_optimizer,), timeout=CALL_TIMEOUT)
+            made = rpc.remote("w0", af.data, (2, 2, i))
+            assert rpc.rpc_sync("w0", af.local_ready, (made,), timeout=CALL_TIMEOUT), i
+        c.value = round(time.monotonic() - start, 2)
 
 
 # ---------------------------------------------------------------------------- 3. parameter server

@@ -524,6 +524,20 @@ def _api_checks() -> None:  # noqa: C901 - a list of independent checks
             torch.save(local, buffer)
         assert rpc.rpc_sync("w1", rf.add, (1, 2), timeout=CALL_TIMEOUT) == 3  # nothing leaked a hold
 
+    with check("profiler/rpc_events"):
+        with torch.autograd.profiler.profile() as prof:
+            rpc.rpc_sync("w1", torch.add, args=(torch.ones(2), 1), timeout=CALL_TIMEOUT)
+            rpc.rpc_async("w1", rf.add, (1, 2), timeout=CALL_TIMEOUT).wait()
+            rpc.remote("w1", torch.mul, args=(torch.ones(2), 2)).to_here()
+        names = {e.name for e in prof.function_events}
+        for expected in (
+            "rpc_sync#aten::add(w0 -> w1)",
+            "rpc_async#add(w0 -> w1)",
+            "rpc_remote#aten::mul(w0 -> w1)",
+        ):
+            assert expected in names, (expected, sorted(n for n in names if n.startswith("rpc_")))
+        assert rpc.rpc_sync("w1", rf.add, (1, 1), timeout=CALL_TIMEOUT) == 2  # no profiler: no event
+
     with check("future/api"):
         fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.5,), timeout=CALL_TIMEOUT)
         assert not fut.done(), "a 0.5 s call reported done as soon as it was issued"

@@ -145,3 +145,13 @@ def test_asyncio_contexts_released(aio: GroupRun) -> None:
 
 def test_asyncio_clean_exit(aio: GroupRun) -> None:
     aio.assert_clean_exit()
+
+
+# ============================================================================ owner-side RRef stress
+def test_remote_then_local_value_on_the_owner_never_stalls(main: GroupRun) -> None:
+    main.check("stress/remote_then_local_value_on_owner")
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_optimizers_built_by_several_trainers_at_once_never_stall(main: GroupRun, rank: int) -> None:
+    main.check(f"stress/optimizers_from_trainers/{rank}", rank=rank)

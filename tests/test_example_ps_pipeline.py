@@ -65,8 +65,9 @@ def test_parameter_server_quick_learns(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT + 20)
-def test_pipeline_parallel_quick_loss_falls(tmp_path: Path) -> None:
-    stdout, report = run_example("pipeline_parallel.py", "--quick", cwd=tmp_path)
+@pytest.mark.parametrize("flags", [(), ("--remote-modules",)], ids=["rrefs", "remote_modules"])
+def test_pipeline_parallel_quick_loss_falls(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    stdout, report = run_example("pipeline_parallel.py", "--quick", *flags, cwd=tmp_path)
     steps = [(int(m.group(1)), int(m.group(2)), float(m.group(3))) for m in STEP.finditer(stdout)]
     assert steps, f"no step lines\n{report}"
     assert [s[0] for s in steps] == list(range(1, steps[0][1] + 1)), report  # every step, in order

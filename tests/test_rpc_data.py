@@ -112,6 +112,10 @@ def test_future(run: GroupRun, name: str) -> None:
     run.check(f"future/{name}")
 
 
+def test_rpc_calls_show_in_torchs_profiler_with_torchs_names(run: GroupRun) -> None:
+    run.check("profiler/rpc_events")
+
+
 def test_async_function_runs_on_callee_loop(run: GroupRun) -> None:
     run.check("callee_loop/sync_mode")
 

@@ -1,5 +1,12 @@
 """``rpcdist.autograd``: distributed autograd, as ``torch.distributed.autograd``."""
 
-from rpcdist.autograd.api import backward, backward_async, context, get_gradients
+from rpcdist.autograd.api import (
+    DistAutogradContext,
+    backward,
+    backward_async,
+    context,
+    get_gradients,
+    is_available,
+)
 
-__all__ = ["backward", "backward_async", "context", "get_gradients"]
+__all__ = ["DistAutogradContext", "backward", "backward_async", "context", "get_gradients", "is_available"]

@@ -14,16 +14,24 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from rpcdist._runtime import call_blocking, run_on
+from rpcdist._runtime import current_loop, run_on
 from rpcdist.agent import Agent, current_agent
 from rpcdist.agent.markers import inline
 from rpcdist.autograd import _contexts
-from rpcdist.autograd.engine import local_pass
-from rpcdist.errors import RpcError
+from rpcdist.autograd.engine import local_pass, local_pass_here
+from rpcdist.errors import BlockingCallError, RpcError
+from rpcdist.futures import wait_all
 
 log = logging.getLogger(__name__)
 
-__all__ = ["context", "backward", "backward_async", "get_gradients"]
+__all__ = ["context", "backward", "backward_async", "get_gradients", "is_available", "DistAutogradContext"]
+
+DistAutogradContext = _contexts.DistAutogradContext  # torch's name for one context on one worker
+
+
+def is_available() -> bool:
+    """True: rpcdist's distributed autograd is always built (torch's depends on its build)."""
+    return True
 
 
 def _agent() -> Agent:
@@ -91,7 +99,8 @@ async def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_
     context = _context(context_id)
     outputs, grads = _roots(roots)
     agent = _agent()
-    await run_on(agent.loop, local_pass(agent, context, outputs, grads))
+    with _contexts.entered(None):  # the passes it starts are not calls made in the context
+        await run_on(agent.loop, local_pass(agent, context, outputs, grads, root=True))
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -104,7 +113,16 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     agent = _agent()
     context = _context(context_id)
     outputs, grads = _roots(roots)
-    call_blocking(agent.loop, local_pass(agent, context, outputs, grads))
+    if current_loop() is agent.loop:
+        raise BlockingCallError(
+            "dist_autograd.backward() on the rpcdist event loop would block it; "
+            "use `await dist_autograd.backward_async(...)`"
+        )
+    # This thread may block: the local graph runs here (no hop to the loop and a pool thread
+    # and back); the loop only carries the gradients that go to other workers.
+    with _contexts.entered(None):  # the passes it starts are not calls made in the context
+        passes = local_pass_here(agent, context, outputs, grads)
+    wait_all(passes)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -58,14 +58,63 @@ def _local_gradients(
     return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
 
 
+def _root_gradients(
+    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_local_gradients` for the worker that called ``backward``, through torch's full
+    engine so that gradient-accumulation hooks run as in a local backward: a
+    DistributedDataParallel module in the graph averages its gradients across its group, as it
+    does under torch's distributed autograd. ``.grad`` is restored afterwards (distributed
+    autograd leaves it untouched); the parameters are this caller's, as in a local backward."""
+    leaves = _leaves(outputs)
+    if not leaves:
+        return []
+    saved = [leaf.grad for leaf in leaves]
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        torch.autograd.backward(outputs, grad_outputs, retain_graph=True, inputs=leaves)
+        grads = [leaf.grad for leaf in leaves]
+    finally:
+        for leaf, grad in zip(leaves, saved, strict=True):
+            leaf.grad = grad
+    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+
+
 async def local_pass(
     agent: Any,
     context: _contexts.DistAutogradContext,
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor],
+    root: bool = False,
 ) -> None:
-    """Run this worker's graph from ``outputs``; pass received leaves' gradients back."""
-    pairs = await agent.run_user_function(_local_gradients, (outputs, grad_outputs), {})
+    """Run this worker's graph from ``outputs``; pass received leaves' gradients back.
+
+    ``root``: this is the worker that called ``backward`` (see :func:`_root_gradients`)."""
+    local = _root_gradients if root else _local_gradients
+    pairs = await agent.run_user_function(local, (outputs, grad_outputs), {})
+    passes = pass_on(agent, context, pairs)
+    if passes:
+        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+
+
+def local_pass_here(
+    agent: Any,
+    context: _contexts.DistAutogradContext,
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+) -> list[Any]:
+    """:func:`local_pass` for a thread that may block (the caller of a blocking ``backward``):
+    the local graph runs right here, with no hop to the loop and the pool and back; returns the
+    futures of the passes it started on other workers."""
+    return pass_on(agent, context, _root_gradients(outputs, grad_outputs))
+
+
+def pass_on(
+    agent: Any, context: _contexts.DistAutogradContext, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> list[Any]:
+    """Accumulate the gradients of this worker's leaves; send those of received leaves back to
+    their senders (returns the futures of those passes)."""
     passes = []
     for leaf, grad in pairs:
         origin = context.recv_of(leaf)
@@ -83,8 +132,7 @@ async def local_pass(
                     function_name="rpcdist.autograd.backward",
                 )
             )
-    if passes:
-        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+    return passes
 
 
 async def _awaitable(future: Any) -> Any:

@@ -14,17 +14,25 @@ hanging; ``async_op=True`` returns a :class:`~rpcdist.collectives.work.Work`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import logging
+import os
+import pdb
+import sys
 import threading
 import time
+import types
 import warnings
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NewType
+from urllib.parse import urlparse, urlunparse
 
 import torch
+from torch.distributed import DebugLevel
 
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, current_loop, release_loop
@@ -94,6 +102,18 @@ __all__ = [
 
 _init_lock = threading.Lock()
 _STORE_PREFIX = "c10d"
+# Run after init_process_group and before destroy_process_group (torch_backend keeps torch's
+# default group in step with rpcdist's through them).
+_init_hooks: list[Callable[[], None]] = []
+_destroy_hooks: list[Callable[[], None]] = []
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for hook in list(hooks):
+        try:
+            hook()
+        except Exception:
+            log.exception("a process-group hook failed")
 
 
 class Backend:
@@ -137,6 +157,7 @@ async def init_process_group_async(
 ) -> None:
     """The awaitable form of :func:`init_process_group` (runs on the calling loop)."""
     await _init(backend, init_method, timeout, world_size, rank, store, asyncio.get_running_loop(), False)
+    _run_hooks(_init_hooks)
 
 
 def init_process_group(
@@ -162,6 +183,7 @@ def init_process_group(
         except BaseException:
             release_loop(loop)
             raise
+    _run_hooks(_init_hooks)
 
 
 async def _init(
@@ -181,6 +203,8 @@ async def _init(
     name = (backend or Backend.GRPC).lower()
     if name not in (Backend.GRPC, Backend.GLOO):
         raise DistributedError(f"backend {backend!r} is not available: rpcdist runs 'grpc' (alias 'gloo')")
+    if store is None:  # an init_method scheme registered with register_rendezvous_handler
+        store, rank, world_size = await _registered_rendezvous(init_method, rank, world_size, timeout)
     rank, world_size = rdv.resolve_rank_and_size(rank, world_size if world_size > 0 else None)
     seconds = _seconds(timeout)
     options = RpcBackendOptions(
@@ -245,6 +269,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         raise BlockingCallError(
             "destroy_process_group() on the event loop: use destroy_process_group_async()"
         )
+    _run_hooks(_destroy_hooks)
     call_blocking(state.loop, destroy_process_group_async())
     if state.owns_loop:
         release_loop(state.loop)
@@ -257,6 +282,7 @@ async def destroy_process_group_async() -> None:
     state = group_module._state
     if state is None:
         return
+    _run_hooks(_destroy_hooks)
     try:
         store = PrefixStore(_STORE_PREFIX, state.store)
         try:
@@ -407,7 +433,7 @@ def _collective(
     if not async_op and current_loop() is pg._state.loop:  # refuse before taking a number
         raise BlockingCallError(f"{name} would block the event loop: pass async_op=True and await the Work")
     exchange = algo.Exchange(pg, name, pg.next_sequence())  # numbered now, in call order
-    return _launch(lambda: body(exchange), async_op, f"{name} on rank {get_rank()}", pg.timeout)
+    return _launch(lambda: body(exchange), async_op, f"{_comm_label(name)} on rank {get_rank()}", pg.timeout)
 
 
 def _tensor(t: Any, name: str, contiguous: bool = True) -> torch.Tensor:
@@ -841,3 +867,630 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         if p2p.op not in (isend, irecv):
             raise DistributedError(f"P2POp.op must be isend or irecv, not {p2p.op!r}")
     return [p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag) for p2p in p2p_op_list]
+
+
+# ------------------------------------------------------------------------------- more of torch's surface
+# Group introspection, sub-groups, object point-to-point, coalesced collectives, backend
+# availability, debug level, rendezvous handlers: the rest of torch.distributed's c10d names.
+
+GroupName = NewType("GroupName", str)
+RankType = int | torch.SymInt
+_BACKEND_DEVICES = ("cpu",)  # rpcdist moves CPU tensors only
+_RUNNABLE_BACKENDS = (Backend.GRPC, Backend.GLOO)  # what init_process_group accepts
+_FOREIGN_BACKENDS = ("nccl", "mpi", "ucc", "xccl")  # torch's, never run by rpcdist
+_OBJECT_TAG = ("o", 0)  # send_object_list/recv_object_list, apart from tensor send/recv
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (the default group if None), ordered by group rank."""
+    if group is None:
+        world = current_state().world
+        assert world is not None
+        return list(world.ranks)
+    if group is GroupMember.NON_GROUP_MEMBER or not isinstance(group, ProcessGroup):
+        raise ValueError(f"get_process_group_ranks needs a ProcessGroup, got {group!r}")
+    return list(group.ranks)
+
+
+def get_pg_count() -> int:
+    """How many process groups exist: the default group and every ``new_group`` since (0 before
+    ``init_process_group``)."""
+    from rpcdist.collectives import group as group_module
+
+    state = group_module._state
+    return 0 if state is None else 1 + len(state.groups)
+
+
+def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[Any, list[Any]]:
+    """One group per list of global ranks (the lists must not overlap); every rank calls this.
+
+    Returns ``(the subgroup holding this rank or None, every subgroup)``; a rank outside a
+    subgroup finds ``GroupMember.NON_GROUP_MEMBER`` in its place, as with ``new_group``.
+    """
+    if not ranks_per_subgroup_list:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    owner: dict[int, list[int]] = {}
+    for ranks in ranks_per_subgroup_list:  # checked before any group is made, on every rank alike
+        for r in ranks:
+            if r in owner:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {owner[r]} and {list(ranks)}")
+            owner[r] = list(ranks)
+    me = get_rank()
+    current = None
+    subgroups = []
+    for ranks in ranks_per_subgroup_list:
+        subgroup = new_group(list(ranks), timeout=timeout, backend=backend, pg_options=pg_options)
+        subgroups.append(subgroup)
+        if me in ranks:
+            current = subgroup
+            log.info("rank %d is assigned to subgroup %s", me, list(ranks))
+    return current, subgroups
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: ProcessGroup | None = None,
+    timeout: float | timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[Any, list[Any]]:
+    """Split ``group`` (default: the world) into consecutive subgroups of ``group_size`` ranks.
+
+    torch's default size is the number of CUDA devices per machine; rpcdist runs on CPUs, so
+    ``group_size`` must be given. Returns ``(this rank's subgroup, every subgroup)``.
+    """
+    if group_size is None:
+        raise ValueError(
+            "new_subgroups needs group_size: the default (one subgroup per machine's CUDA devices) "
+            "only applies to CUDA, and rpcdist runs on CPUs"
+        )
+    if group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    ranks = get_process_group_ranks(group)
+    if len(ranks) < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size ({len(ranks)})")
+    if len(ranks) % group_size:
+        raise ValueError(f"The world size ({len(ranks)}) must be divisible by 'group_size={group_size}'")
+    chunks = [ranks[i : i + group_size] for i in range(0, len(ranks), group_size)]
+    return new_subgroups_by_enumeration(chunks, timeout, backend, pg_options, group_desc)
+
+
+def _peer(pg: ProcessGroup, global_rank: int | None, group_rank: int | None, what: str) -> int | None:
+    """The group rank named by ``global_rank`` or ``group_rank`` (at most one; None: neither)."""
+    if global_rank is not None and group_rank is not None:
+        raise ValueError(f"{what}: can't specify both group_rank and global_rank")
+    if group_rank is not None:
+        pg.global_rank(group_rank)  # range check
+        return group_rank
+    if global_rank is None:
+        return None
+    return _group_rank(pg, global_rank, what)
+
+
+def _check_cpu_device(device: Any, what: str) -> None:
+    if device is not None and torch.device(device).type != "cpu":
+        raise DistributedError(f"{what}: rpcdist moves objects between CPU processes only, not to {device}")
+
+
+@_members_only
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> None:
+    """Send the picklable objects of ``object_list`` to rank ``dst`` (a global rank; or
+    ``group_dst``, a rank of ``group``); returns once the receiver has them.
+
+    The receiver calls :func:`recv_object_list` with a list of the same length. ``device`` may
+    only be the CPU; ``use_batch`` changes nothing here (accepted for torch's signature).
+    Objects are pickled: only exchange them with processes you trust.
+    """
+    pg = _group(group, "send_object_list")
+    d = _peer(pg, dst, group_dst, "send_object_list")
+    if d is None:
+        raise ValueError("send_object_list: must specify dst or group_dst")
+    if d == pg.rank():
+        raise ValueError(
+            "Invalid destination rank: destination rank should not be the same as the rank of the "
+            "current process."
+        )
+    _check_cpu_device(device, "send_object_list")
+    payload = list(object_list)
+
+    async def run() -> None:
+        await pg.send(d, _OBJECT_TAG, None, payload, lend=False)
+
+    _launch(run, False, f"send_object_list to rank {pg.global_rank(d)}", pg.timeout)
+
+
+@_members_only
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+    group_src: int | None = None,
+    use_batch: bool = False,
+) -> int:
+    """Receive the objects sent by :func:`send_object_list` into ``object_list`` (in place; its
+    length must match the sender's). ``src`` is a global rank, ``group_src`` a rank of
+    ``group``; with neither, the first sender is taken. Returns the sender's global rank
+    (-1 on a rank outside ``group``)."""
+    pg = _group(group, "recv_object_list")
+    s = _peer(pg, src, group_src, "recv_object_list")
+    if s is not None and s == pg.rank():
+        raise ValueError(
+            "Invalid source rank: source rank should not be the same as the rank of the current process."
+        )
+    _check_cpu_device(device, "recv_object_list")
+
+    async def run() -> int:
+        who, (_, received) = await pg.receive(s, _OBJECT_TAG, "recv_object_list")
+        sender = pg.global_rank(who)
+        if len(received) != len(object_list):
+            raise DistributedError(
+                f"recv_object_list: rank {sender} sent {len(received)} objects, "
+                f"the receiving list has {len(object_list)} slots"
+            )
+        object_list[:] = received
+        return sender
+
+    source = "any rank" if s is None else f"rank {pg.global_rank(s)}"
+    work = _launch(run, True, f"recv_object_list from {source}", pg.timeout)
+    work.wait()
+    return int(work.result())
+
+
+def _same_dtype(tensors: Sequence[torch.Tensor], what: str) -> torch.dtype:
+    if not tensors:
+        raise ValueError(f"{what} needs at least one tensor")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(f"{what}: all tensors must have the same dtype, got {sorted(map(str, dtypes))}")
+    return tensors[0].dtype
+
+
+@_members_only
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor] | torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """All-reduce every tensor of ``tensors`` (one dtype) in one exchange, in place."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for t in tensors:
+        _tensor(t, "all_reduce_coalesced", contiguous=False)
+    check_op(op, _same_dtype(tensors, "all_reduce_coalesced"))
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+
+    async def body(ex: algo.Exchange) -> None:
+        await algo.all_reduce(ex, flat, op)
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            t.copy_(part.view(t.shape))
+
+    return _collective(group, "all_reduce_coalesced", body, async_op)
+
+
+@_members_only
+def all_gather_coalesced(
+    output_tensor_lists: list[list[torch.Tensor]],
+    input_tensor_list: list[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """``output_tensor_lists[i][j]`` receives rank i's ``input_tensor_list[j]`` (one dtype), in
+    one exchange."""
+    for t in input_tensor_list:
+        _tensor(t, "all_gather_coalesced", contiguous=False)
+    dtype = _same_dtype(input_tensor_list, "all_gather_coalesced")
+    pg = _group(group, "all_gather_coalesced")
+    if len(output_tensor_lists) != pg.size() or any(
+        len(outputs) != len(input_tensor_list) for outputs in output_tensor_lists
+    ):
+        raise DistributedError(
+            f"all_gather_coalesced needs {pg.size()} output lists of {len(input_tensor_list)} tensors"
+        )
+    sizes = [t.numel() for t in input_tensor_list]
+    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    flat_out = [torch.empty(sum(sizes), dtype=dtype) for _ in range(pg.size())]
+
+    async def body(ex: algo.Exchange) -> None:
+        await algo.all_gather(ex, flat_out, flat_in)
+        for outputs, flat in zip(output_tensor_lists, flat_out, strict=True):
+            for out, part in zip(outputs, flat.split(sizes), strict=True):
+                out.copy_(part.view(out.shape))
+
+    return _collective(pg, "all_gather_coalesced", body, async_op)
+
+
+def all_gather_single(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    """Every rank's ``input_tensor`` into ``output_tensor``, concatenated or stacked along dim 0
+    (torch's newer name for :func:`all_gather_into_tensor`)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """``input`` (world size x ``output``, concatenated or stacked) reduced, part i into rank i's
+    ``output`` (torch's newer name for :func:`reduce_scatter_tensor`)."""
+    return reduce_scatter_tensor(output, input, op, group, async_op)
+
+
+def supports_complex(reduceOp: ReduceOp) -> bool:  # noqa: N803 - torch's parameter name
+    """Whether ``reduceOp`` is defined for complex tensors (MAX, MIN, PRODUCT and the bitwise
+    ops are not)."""
+    return reduceOp not in (
+        ReduceOp.MAX,
+        ReduceOp.MIN,
+        ReduceOp.PRODUCT,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    )
+
+
+# -- backends ---------------------------------------------------------------------------------
+class BackendConfig:
+    """Which backend serves which device, parsed from a backend string as torch does:
+    ``"gloo"``, ``"grpc"`` or ``"cpu:gloo"`` (``"<device>:<backend>,..."``)."""
+
+    def __init__(self, backend: str | None) -> None:
+        self.device_backend_map: dict[str, str] = {}
+        name = (str(backend) if backend is not None else "undefined").lower()
+        if name == "undefined":
+            self.device_backend_map["cpu"] = Backend.GLOO
+        elif ":" in name:
+            for pair in name.split(","):
+                parts = pair.split(":")
+                if len(parts) != 2 or not all(parts):
+                    raise ValueError(
+                        f"Invalid device:backend pairing {pair!r} in {backend!r}: use "
+                        "'<device_type1>:<backend1>,<device_type2>:<backend2>', e.g. 'cpu:gloo'"
+                    )
+                device, device_backend = parts
+                if device in self.device_backend_map:
+                    raise ValueError(f"Duplicate device type {device} in backend string {backend!r}")
+                self.device_backend_map[device] = device_backend
+        else:
+            self.device_backend_map = dict.fromkeys(_BACKEND_DEVICES, name)
+
+    def get_device_backend_map(self) -> dict[str, str]:
+        """Device type to backend name."""
+        return self.device_backend_map
+
+    def __repr__(self) -> str:
+        return ",".join(f"{device}:{backend}" for device, backend in self.device_backend_map.items())
+
+
+def get_backend_config(group: ProcessGroup | None = None) -> str:
+    """The backend configuration of ``group`` as ``"<device>:<backend>"`` (e.g. ``"cpu:gloo"``)."""
+    if group is GroupMember.NON_GROUP_MEMBER or (isinstance(group, ProcessGroup) and not group.is_member):
+        raise ValueError("Invalid process group specified")
+    return str(BackendConfig(current_state().backend))
+
+
+def get_default_backend_for_device(device: str | torch.device) -> str:
+    """The backend torch programs use for ``device``: ``"gloo"`` for the CPU, which rpcdist
+    runs; other devices have none here (ValueError)."""
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if device_type not in _BACKEND_DEVICES:
+        raise ValueError(f"Default backend not registered for device : {device}")
+    return Backend.GLOO
+
+
+def is_gloo_available() -> bool:
+    """True: ``init_process_group("gloo")`` runs (over rpcdist's transport)."""
+    return True
+
+
+def is_nccl_available() -> bool:
+    """False: rpcdist has no NCCL (GPU) backend."""
+    return False
+
+
+def is_mpi_available() -> bool:
+    """False: rpcdist has no MPI backend."""
+    return False
+
+
+def is_ucc_available() -> bool:
+    """False: rpcdist has no UCC backend."""
+    return False
+
+
+def is_xccl_available() -> bool:
+    """False: rpcdist has no XCCL (Intel GPU) backend."""
+    return False
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether ``init_process_group(backend)`` can run here (``"grpc"``, ``"gloo"``, or a
+    ``"cpu:gloo"``-style string whose backends all can)."""
+    names = BackendConfig(backend).get_device_backend_map().values() if ":" in backend else [backend]
+    return all(str(name).lower() in _RUNNABLE_BACKENDS for name in names)
+
+
+def is_torchelastic_launched() -> bool:
+    """Whether this process was started by torchelastic/torchrun (``TORCHELASTIC_RUN_ID`` set)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its machine: ``LOCAL_RANK`` (set by torchrun), else
+    ``fallback_rank``; RuntimeError if neither is there."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment. Pass fallback_rank to get_node_local_rank to run "
+        "outside a launcher that sets it (such as torchrun)."
+    )
+
+
+# -- debugging ----------------------------------------------------------------------------------
+_debug_level = DebugLevel.OFF
+_debug_logger_level: int | None = None  # what the "rpcdist" logger had before set_debug_level
+_DEBUG_LOGGING = {DebugLevel.INFO: logging.INFO, DebugLevel.DETAIL: logging.DEBUG}
+
+
+def get_debug_level() -> DebugLevel:
+    """The current debug level (``TORCH_DISTRIBUTED_DEBUG``: OFF, INFO or DETAIL)."""
+    return _debug_level
+
+
+def set_debug_level(level: DebugLevel) -> None:
+    """Set the debug level: INFO logs rpcdist's ``logging`` at INFO, DETAIL at DEBUG, OFF puts
+    the ``rpcdist`` logger back as it was. torch's own level follows, for torch code in this
+    process (such as DistributedDataParallel over rpcdist's torch backend)."""
+    global _debug_level, _debug_logger_level
+    level = DebugLevel(level)
+    logger = logging.getLogger("rpcdist")
+    if level in _DEBUG_LOGGING:
+        if _debug_logger_level is None:
+            _debug_logger_level = logger.level
+        logger.setLevel(_DEBUG_LOGGING[level])
+    elif _debug_logger_level is not None:
+        logger.setLevel(_debug_logger_level)
+        _debug_logger_level = None
+    _debug_level = level
+    with contextlib.suppress(AttributeError, RuntimeError):
+        import torch.distributed as torch_dist
+
+        torch_dist.set_debug_level(level)
+
+
+def set_debug_level_from_env() -> None:
+    """Set the debug level from ``TORCH_DISTRIBUTED_DEBUG`` (OFF when unset); ValueError for
+    anything but OFF, INFO or DETAIL."""
+    value = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").strip().upper() or "OFF"
+    try:
+        level = DebugLevel.__members__[value]
+    except KeyError:
+        raise ValueError(
+            f"TORCH_DISTRIBUTED_DEBUG={value!r}: the debug level must be OFF, INFO or DETAIL"
+        ) from None
+    set_debug_level(level)
+
+
+_breakpoint_hits: dict[tuple[str, int], int] = {}
+
+
+class _TtyPdb(pdb.Pdb):
+    """pdb reading the terminal even in a worker whose stdin was closed (multiprocessing)."""
+
+    def interaction(self, *args: Any, **kwargs: Any) -> None:
+        saved = sys.stdin
+        try:
+            with open("/dev/stdin") as sys.stdin:
+                super().interaction(*args, **kwargs)
+        finally:
+            sys.stdin = saved
+
+
+def breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> None:  # noqa: A001
+    """Stop in the debugger on rank ``rank`` only; the other ranks wait in a barrier until it
+    continues. The first ``skip`` calls from a call site are ignored. ``timeout_s`` becomes
+    every group's timeout, so the wait does not time out during the session."""
+    caller = sys._getframe(1)
+    if skip > 0:
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        _breakpoint_hits[site] = _breakpoint_hits.get(site, 0) + 1
+        if _breakpoint_hits[site] <= skip:
+            log.warning("skipping the breakpoint, hit %d of %d skipped", _breakpoint_hits[site], skip)
+            return
+    state = current_state()
+    if timeout_s is not None:
+        for pg in [state.world, *state.groups]:
+            if pg is not None:
+                pg.timeout = float(timeout_s)
+    if state.rank == rank:
+        debugger = _TtyPdb()
+        debugger.message(f"\n!!! rank {rank} stopped in dist.breakpoint(); the other ranks wait !!!\n")
+        debugger.set_trace(caller)
+    barrier()
+
+
+_comm_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("rpcdist_comm_name", default=None)
+
+
+@contextlib.contextmanager
+def record_comm(name: str) -> Iterator[None]:
+    """Name the collectives issued inside the block: the block shows under ``name`` in the
+    torch profiler, and the collectives' errors and timeouts say ``name``."""
+    token = _comm_name.set(name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        _comm_name.reset(token)
+
+
+def _comm_label(what: str) -> str:
+    name = _comm_name.get()
+    return what if name is None else f"{name} ({what})"
+
+
+# -- rendezvous handlers --------------------------------------------------------------------------
+RendezvousHandler = Callable[..., Iterator[tuple[Any, int, int]]]
+_rendezvous_handlers: dict[str, RendezvousHandler] = {}
+_BUILTIN_SCHEMES = ("env", "tcp", "file")
+
+
+def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
+    """Let ``init_process_group(init_method="<scheme>://...")`` and :func:`rendezvous` use
+    ``handler``: a generator function ``handler(url, **kwargs)`` yielding ``(store, rank,
+    world_size)``, as in torch. The store may be rpcdist's or torch's (wrapped in
+    :class:`~rpcdist.store.torch_store.TorchStore`). ``env``, ``tcp`` and ``file`` are taken."""
+    if scheme in _rendezvous_handlers or scheme in _BUILTIN_SCHEMES:
+        raise RuntimeError(f"Rendezvous handler for {scheme}:// already registered")
+    _rendezvous_handlers[scheme] = handler
+
+
+def _url_with_rank(url: str, rank: int, world_size: int) -> str:
+    """torch's convention: rank and world size travel to the handler in the URL's query."""
+    parsed = urlparse(url)
+    query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if "=" in pair)
+    if ("rank" in query and rank != -1) or ("world_size" in query and world_size != -1):
+        raise ValueError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
+    if rank != -1:
+        query["rank"] = str(rank)
+    if world_size != -1:
+        query["world_size"] = str(world_size)
+    return urlunparse(parsed._replace(query="&".join(f"{k}={v}" for k, v in query.items())))
+
+
+def _builtin_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+    """env://, tcp:// and file:// for :func:`rendezvous`: rpcdist's store for the URL (rank 0
+    serves it for env:// and tcp://, until the process exits)."""
+    parsed = urlparse(url)
+    query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if "=" in pair)
+    rank = int(query.get("rank", "-1"))
+    world_size = int(query.get("world_size", "-1"))
+    rank, world_size = rdv.resolve_rank_and_size(rank, world_size if world_size > 0 else None)
+    timeout = _seconds(kwargs.get("timeout"))
+    base = urlunparse(parsed._replace(query=""))
+    loop = acquire_loop()
+    try:
+        meeting = call_blocking(loop, rdv.rendezvous(base, rank, world_size, min(timeout, 300)))
+    except BaseException:
+        release_loop(loop)
+        raise
+    meeting.store._owns_loop = True  # closing the store releases the loop acquired here
+    _rendezvous_kept.append(meeting)  # a served store must outlive this generator
+    yield meeting.store, rank, world_size
+
+
+_rendezvous_kept: list[Any] = []
+
+
+def rendezvous(
+    url: str, rank: int = -1, world_size: int = -1, **kwargs: Any
+) -> Iterator[tuple[Any, int, int]]:
+    """torch's ``dist.rendezvous``: an iterator yielding ``(store, rank, world_size)`` for
+    ``url``, from the handler of its scheme (``env``, ``tcp``, ``file`` or one registered
+    with :func:`register_rendezvous_handler`)."""
+    if not isinstance(url, str):
+        raise RuntimeError(f"`url` must be a string. {type(url)}: {url}")
+    if not isinstance(rank, int) or not isinstance(world_size, int):
+        raise RuntimeError(f"`rank` and `world_size` must be integers, got {rank!r} and {world_size!r}")
+    scheme = urlparse(url).scheme
+    if scheme in _BUILTIN_SCHEMES:
+        if scheme == "env":
+            rank = int(os.environ.get("RANK", rank)) if rank == -1 else rank
+            world_size = int(os.environ.get("WORLD_SIZE", world_size)) if world_size == -1 else world_size
+        return _builtin_rendezvous(_url_with_rank(url, rank, world_size), **kwargs)
+    if scheme not in _rendezvous_handlers:
+        raise RuntimeError(f"No rendezvous handler for {scheme}://")
+    return _rendezvous_handlers[scheme](_url_with_rank(url, rank, world_size), **kwargs)
+
+
+class _CallableRendezvousModule(types.ModuleType):
+    """The class ``rpcdist/__init__`` gives the module ``rpcdist.rendezvous``, so that
+    ``dist.rendezvous(url, rank, world_size)`` is torch's function while the module keeps its
+    contents (``rpcdist.rendezvous.Rendezvous``, ...)."""
+
+    def __call__(
+        self, url: str, rank: int = -1, world_size: int = -1, **kwargs: Any
+    ) -> Iterator[tuple[Any, int, int]]:
+        return rendezvous(url, rank, world_size, **kwargs)
+
+
+async def _registered_rendezvous(
+    init_method: str | None, rank: int, world_size: int, timeout: float | timedelta | None
+) -> tuple[Store | None, int, int]:
+    """For ``init_process_group``: run the registered handler of ``init_method``'s scheme (in a
+    thread: it may block) and adapt a torch store; ``(None, rank, world_size)`` otherwise."""
+    if not init_method or urlparse(init_method).scheme not in _rendezvous_handlers:
+        return None, rank, world_size
+    handler = _rendezvous_handlers[urlparse(init_method).scheme]
+    url = _url_with_rank(init_method, rank, world_size)
+    store, rank, world_size = await asyncio.to_thread(
+        lambda: next(iter(handler(url, timeout=timedelta(seconds=_seconds(timeout)))))
+    )
+    if not isinstance(store, Store):
+        from rpcdist.store.torch_store import TorchStore
+
+        store = TorchStore(store)
+    return store, int(rank), int(world_size)
+
+
+if os.environ.get("TORCH_DISTRIBUTED_DEBUG"):  # as torch, which reads it at import
+    try:
+        set_debug_level_from_env()
+    except ValueError as exc:
+        log.warning("%s", exc)
+
+__all__ += [
+    "BackendConfig",
+    "DebugLevel",
+    "GroupName",
+    "RankType",
+    "all_gather_coalesced",
+    "all_gather_single",
+    "all_reduce_coalesced",
+    "breakpoint",
+    "get_backend_config",
+    "get_debug_level",
+    "get_default_backend_for_device",
+    "get_global_rank",
+    "get_group_rank",
+    "get_node_local_rank",
+    "get_pg_count",
+    "get_process_group_ranks",
+    "is_backend_available",
+    "is_gloo_available",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_torchelastic_launched",
+    "is_ucc_available",
+    "is_xccl_available",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "record_comm",
+    "recv_object_list",
+    "reduce_scatter_single",
+    "register_rendezvous_handler",
+    "send_object_list",
+    "set_debug_level",
+    "set_debug_level_from_env",
+    "supports_complex",
+]

@@ -21,7 +21,7 @@ import torch
 from rpcdist.agent.markers import inline
 from rpcdist.collectives.loans import LOAN_MIN_BYTES, Loan, borrow_tensor, lend_tensor
 from rpcdist.collectives.mailbox import Mailbox
-from rpcdist.errors import RpcdistError
+from rpcdist.errors import DistBackendError, RpcdistError
 from rpcdist.futures import Future
 from rpcdist.transport.shm import SlotPool
 
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 1800.0  # torch's default process-group timeout (30 min)
 
 
-class DistributedError(RpcdistError):
-    """A collective or point-to-point operation failed (mismatch, bad rank, timeout...)."""
+class DistributedError(RpcdistError, DistBackendError):
+    """A collective or point-to-point operation failed (mismatch, bad rank, timeout...); also
+    torch's ``DistBackendError``."""
 
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):

@@ -10,10 +10,14 @@ from rpcdist.errors import RemoteError, RpcError, RpcTimeoutError
 from rpcdist.futures import Future
 from rpcdist.rpc import functions
 from rpcdist.rpc.api import (
+    backend_registered,
+    construct_rpc_backend_options,
     get_all_worker_infos,
+    get_rpc_timeout,
     get_worker_info,
     init_rpc,
     init_rpc_async,
+    is_available,
     remote,
     rpc_async,
     rpc_sync,
@@ -33,6 +37,10 @@ __all__ = [
     "RpcTimeoutError",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "backend_registered",
+    "construct_rpc_backend_options",
+    "get_rpc_timeout",
+    "is_available",
     "debug_info",
     "functions",
     "get_all_worker_infos",

@@ -16,14 +16,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, release_loop
 from rpcdist.agent import Agent, current_agent, set_current_agent
-from rpcdist.agent.options import BackendType, RpcBackendOptions, WorkerInfo
+from rpcdist.agent.options import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_RPC_TIMEOUT,
+    BackendType,
+    RpcBackendOptions,
+    WorkerInfo,
+)
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future
 from rpcdist.rpc import rref as rrefs
+from rpcdist.rpc.profiling import function_name, profiled, profiling_key
 from rpcdist.store import PrefixStore
 
 log = logging.getLogger(__name__)
@@ -38,6 +47,10 @@ __all__ = [
     "remote",
     "get_worker_info",
     "get_all_worker_infos",
+    "is_available",
+    "get_rpc_timeout",
+    "backend_registered",
+    "construct_rpc_backend_options",
 ]
 
 _agent: Agent | None = None  # also rpcdist.agent.current_agent(), for the layers below
@@ -208,7 +221,22 @@ def rpc_async(
 
     ``timeout`` in seconds: -1 uses the default ``rpc_timeout``, 0 waits without limit.
     """
-    return current_agent().submit(to, func, args, kwargs, timeout)
+    return _call("async", to, func, args, kwargs, timeout)
+
+
+def _call(
+    mode: str,
+    to: str | int | WorkerInfo,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any] | None,
+    timeout: float,
+) -> Future[Any]:
+    agent = current_agent()
+    return profiled(
+        lambda: profiling_key(mode, function_name(func), agent.info.name, agent.worker(to).name),
+        lambda: agent.submit(to, func, args, kwargs, timeout),
+    )
 
 
 def rpc_sync(
@@ -222,7 +250,7 @@ def rpc_sync(
 
     Raises the remote exception (with the remote traceback attached) or RpcTimeoutError.
     """
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    return _call("sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(
@@ -233,7 +261,19 @@ def remote(
     timeout: float = -1.0,
 ) -> Any:
     """Run ``func`` on ``to`` and keep the result there; returns an RRef to it."""
-    return rrefs.create_remote(current_agent(), to, func, args, kwargs, timeout)
+    agent = current_agent()
+    if not torch.autograd._profiler_enabled():
+        return rrefs.create_remote(agent, to, func, args, kwargs, timeout)
+    made: list[Any] = []
+
+    def start() -> Future[Any]:
+        made.append(rrefs.create_remote(agent, to, func, args, kwargs, timeout))
+        return made[0]._confirmed
+
+    profiled(
+        lambda: profiling_key("remote", function_name(func), agent.info.name, agent.worker(to).name), start
+    )
+    return made[0]
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
@@ -248,3 +288,33 @@ def get_all_worker_infos() -> list[WorkerInfo]:
     """Every worker of the group, by rank."""
     agent = current_agent()
     return [agent.workers_by_rank[r] for r in sorted(agent.workers_by_rank)]
+
+
+def is_available() -> bool:
+    """True: rpcdist's RPC is always built (torch's answer depends on its build)."""
+    return True
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this worker's calls, in seconds (``rpc_timeout`` of its
+    ``RpcBackendOptions``; 0 means none). RpcError if RPC is not initialized."""
+    return float(current_agent().options.rpc_timeout)
+
+
+def backend_registered(backend_name: str) -> bool:
+    """Whether ``backend_name`` names an RPC backend (``"TENSORPIPE"`` or ``"GRPC"``, both
+    rpcdist's gRPC transport)."""
+    return backend_name in BackendType.__members__
+
+
+def construct_rpc_backend_options(
+    backend: BackendType,
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+    init_method: str = DEFAULT_INIT_METHOD,
+    **kwargs: Any,
+) -> RpcBackendOptions:
+    """The options ``init_rpc`` takes for ``backend``, built from these arguments (``kwargs``
+    are further :class:`RpcBackendOptions` fields, e.g. ``num_worker_threads``)."""
+    if not isinstance(backend, BackendType):
+        raise TypeError(f"backend must be an rpc.BackendType, not {backend!r}")
+    return RpcBackendOptions(rpc_timeout=rpc_timeout, init_method=init_method, **kwargs)

@@ -37,7 +37,7 @@ from rpcdist import serialization
 from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
-from rpcdist.errors import RpcError, annotate_remote
+from rpcdist.errors import RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
 
 if TYPE_CHECKING:
@@ -171,7 +171,14 @@ class RRefContext:
 
     def track_owner_ref(self, rref: RRef[Any]) -> None:
         rref_id = rref._id
-        self._on_loop(lambda: self._add_local_ref(rref_id))
+        agent = self.agent
+        if threading.get_ident() == agent.loop_thread_id:
+            # On the loop (an owner RRef unpickled from a message): count it now. Queued behind
+            # the inbox, a holder's deletion handled inline meanwhile could free the value
+            # under it (and a later local_value() would wait for a value that never comes).
+            self._add_local_ref(rref_id)
+        else:
+            self._on_loop(lambda: self._add_local_ref(rref_id))
         weakref.finalize(rref, self._owner_finalized, rref_id)
 
     def _add_local_ref(self, rref_id: RRefId) -> None:
@@ -352,8 +359,8 @@ class RRef(Generic[T]):
             return fetch
         result: Future[T] = Future(loop=agent.loop)
         rref_id = self._id
-
         context = _context()
+        seconds = agent.options.rpc_timeout if timeout is None or timeout < 0 else timeout
 
         def watch() -> None:
             value = context.entry(rref_id).value
@@ -364,7 +371,24 @@ class RRef(Generic[T]):
                     else result._try_complete(v.result(), None)
                 )
             )
+            if seconds > 0 and not value.done():
+                timer = agent.loop.call_later(seconds, expire)
+                result.add_done_callback(lambda _: agent.loop.call_soon_threadsafe(timer.cancel))
 
+        def expire() -> None:
+            result._try_complete(
+                None,
+                RpcTimeoutError(
+                    f"RRef.to_here on its owner {agent.info.name} timed out after {seconds:g} s: "
+                    f"the value of {rref_id} was not created within that time"
+                ),
+            )
+
+        if created is not None and not created.done():
+            # The creating call to ourselves may fail before it runs: no value would come.
+            created.add_done_callback(
+                lambda c: c.exception() is not None and result._try_complete(None, c.exception())
+            )
         context._on_loop(watch)
         return result
 
@@ -492,7 +516,7 @@ def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: di
 
 @inline
 def _create(
-    rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any
+    rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float = 0.0
 ) -> asyncio.Future[None]:
     """On the owner: register the creator at once (in arrival order, before any deletion the
     creator sends next), then run ``func`` and keep its result (or error)."""
@@ -500,11 +524,16 @@ def _create(
     entry = context.entry(rref_id)
     if creator >= 0:
         entry.holders.add(creator)
-    return context.agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs))
+    return context.agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout))
 
 
 async def _run_create(
-    context: RRefContext, rref_id: RRefId, func: Callable[..., Any], args: Any, kwargs: Any
+    context: RRefContext,
+    rref_id: RRefId,
+    func: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    timeout: float = 0.0,
 ) -> None:
     agent = context.agent
     entry = context.entry(rref_id)
@@ -512,8 +541,18 @@ async def _run_create(
         value = await agent.run_user_function(func, args, kwargs)
     except BaseException as exc:
         if not entry.value.done():
-            text = "".join(traceback.format_exception(exc))
-            entry.value.set_exception(annotate_remote(exc, agent.info.name, _qualname(func), text))
+            if isinstance(exc, asyncio.CancelledError):
+                # The creating call was given up (its timeout passed, or its caller is gone):
+                # whoever waits for the value learns that, never a bare CancelledError.
+                limit = f" after {timeout:g} s" if timeout > 0 else ""
+                error: BaseException = RpcTimeoutError(
+                    f"remote() of {_qualname(func)} on worker {agent.info.name} was cancelled{limit}: "
+                    "the call that creates the value timed out or its caller went away"
+                )
+            else:
+                text = "".join(traceback.format_exception(exc))
+                error = annotate_remote(exc, agent.info.name, _qualname(func), text)
+            entry.value.set_exception(error)
         context.maybe_free(rref_id)
         raise
     if not entry.value.done():
@@ -562,13 +601,14 @@ def create_remote(
     name = serialization.check_importable(func)
     context = _context()
     rref_id: RRefId = (dest.id, agent.info.id, next(_counter))
+    seconds = agent.options.rpc_timeout if timeout is None or timeout < 0 else timeout
     if dest.id == agent.info.id:
-        call_args = (rref_id, -1, func, tuple(args or ()), dict(kwargs or {}))  # owner refs count it
+        call_args = (rref_id, -1, func, tuple(args or ()), dict(kwargs or {}), seconds)  # owner refs count it
         rref = RRef._make(dest, rref_id)
         context.track_owner_ref(rref)
         rref._confirmed = agent.submit(dest, _create, call_args, None, timeout, function_name=name)
         return rref
-    call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}))
+    call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}), seconds)
     with context._lock:
         rref = RRef._make(dest, rref_id)
         context.users[rref_id] = weakref.ref(rref)

@@ -4,7 +4,10 @@
 - :class:`FileStore` — a file on a filesystem shared by the processes;
 - :class:`GrpcStore` — a client of the gRPC store service (``rpcdist-server`` or a
   :class:`StoreServer` embedded in a program);
-- :class:`PrefixStore` — a namespaced view of another store.
+- :class:`PrefixStore` — a namespaced view of another store;
+- :class:`TorchStore` — any ``torch.distributed.Store`` (torchrun's agent store, torch's
+  TCPStore/FileStore/HashStore/PrefixStore) behind this interface;
+- :class:`TCPStore` — torch's TCPStore server/client, with torch's constructor.
 
 Every store has blocking methods with torch's names (``set``, ``get``, ``add``, ``compare_set``,
 ``wait``, ``check``, ``delete_key``, ``num_keys``) and ``*_async`` coroutines usable from any loop.
@@ -16,5 +19,16 @@ from rpcdist.store.grpc_store import GrpcStore
 from rpcdist.store.hash_store import HashStore
 from rpcdist.store.memory import KeyValueState
 from rpcdist.store.service import StoreServer
+from rpcdist.store.torch_store import TCPStore, TorchStore
 
-__all__ = ["Store", "PrefixStore", "HashStore", "FileStore", "GrpcStore", "StoreServer", "KeyValueState"]
+__all__ = [
+    "Store",
+    "PrefixStore",
+    "HashStore",
+    "FileStore",
+    "GrpcStore",
+    "StoreServer",
+    "KeyValueState",
+    "TorchStore",
+    "TCPStore",
+]
