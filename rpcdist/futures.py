@@ -50,13 +50,30 @@ class _Failure:
         self.future = weakref.ref(future)
 
 
-def _raise_failure(failure: _Failure) -> Any:
-    future = failure.future()
+# torch's C methods, called directly: torch.futures.Future's Python layer only forwards to them,
+# and RPC makes a future per call.
+_C = torch._C.Future
+_c_init, _c_set_result, _c_done, _c_wait = _C.__init__, _C.set_result, _C.done, _C.wait
+_c_add_done_callback, _c_set_unwrap_func = _C.add_done_callback, _C._set_unwrap_func
+
+
+def _unwrap(value: Any) -> Any:
+    """What ``wait()``/``value()`` give for the value torch holds: a failure raises."""
+    if type(value) is not _Failure:
+        return value
+    future = value.future()
     error = future._error if future is not None else None
     del future
     if error is None:
         raise RuntimeError("the future failed, and its exception was freed with it")
     raise _fresh(error)
+
+
+_failing = threading.Lock()  # serialises the claims of failures (see Future._try_complete)
+_COMPLETED_TWICE = (
+    "Attempting to mark a completed Future as complete again. "
+    "Note that a Future can only be marked completed once."
+)
 
 
 def _fresh(error: BaseException) -> BaseException:
@@ -84,11 +101,13 @@ class Future(torch.futures.Future[T]):
     Completion may happen on any thread; callbacks run on the thread that completes it.
     """
 
+    __slots__ = ("_error", "_loop_hint")  # no per-future __dict__: RPC makes one per call
+
     def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None, devices: Any = None) -> None:
-        super().__init__(devices=devices)
-        # Serialises completions: torch's set_exception is two steps, and rpcdist completes
-        # futures from several threads (replies, timeouts, lost links) that may race.
-        self._completion_lock = threading.RLock()
+        if devices:
+            super().__init__(devices=devices)
+        else:
+            _c_init(self, [])
         self._error: BaseException | None = None
         # The loop whose thread completes this future, so wait() there can refuse to deadlock.
         self._loop_hint = loop
@@ -97,40 +116,52 @@ class Future(torch.futures.Future[T]):
     def set_result(self, result: T) -> None:
         """Complete with ``result`` (RuntimeError if already complete, as torch)."""
         if not self._try_complete(result, None):
-            raise RuntimeError(
-                "Attempting to mark a completed Future as complete again. "
-                "Note that a Future can only be marked completed once."
-            )
+            raise RuntimeError(_COMPLETED_TWICE)
 
     def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
         """Complete with an exception: ``wait()``, ``value()`` and ``await`` raise it."""
         if not isinstance(result, BaseException):
             raise AssertionError(f"{result} is of type {type(result)}, not an Exception.")
         if not self._try_complete(None, result):
-            raise RuntimeError(
-                "Attempting to mark a completed Future as complete again. "
-                "Note that a Future can only be marked completed once."
-            )
+            raise RuntimeError(_COMPLETED_TWICE)
 
     def _try_complete(self, result: Any, exception: BaseException | None) -> bool:
-        """Complete unless already complete; returns whether this call completed it."""
-        with self._completion_lock:
-            if super().done():
+        """Complete unless already complete; returns whether this call completed it.
+
+        Completions may race (a reply, a timeout and a lost link): torch completes a future
+        once and refuses the rest. A failure first claims the future under a lock (failures
+        are rare, values never take it), so two failures cannot mix up their errors; a value
+        that wins against a claimed failure undoes the claim.
+        """
+        if exception is None:
+            try:
+                _c_set_result(self, result)
+            except RuntimeError as exc:
+                if "complete" not in str(exc):
+                    raise
                 return False
-            if exception is None:
-                super().set_result(result)
-            else:
-                self._error = exception
-                super()._set_unwrap_func(_raise_failure)
-                super().set_result(_Failure(self))
+            return True
+        with _failing:
+            if self._error is not None or _c_done(self):
+                return False
+            self._error = exception
+        _c_set_unwrap_func(self, _unwrap)  # passes values through: harmless if a value wins
+        try:
+            _c_set_result(self, _Failure(self))  # callbacks run here, outside the lock
+        except RuntimeError as exc:
+            if "complete" not in str(exc):
+                raise
+            with _failing:
+                self._error = None  # a value won: this future did not fail
+            return False
         return True
 
     # -- inspecting -----------------------------------------------------------------------------
     def value(self) -> T:
         """The result of a completed future (raises its exception if it failed)."""
-        if not super().done():
+        if not _c_done(self):
             raise RuntimeError("Future.value() called before the future completed; use wait()")
-        return super().value()
+        return _C.value(self)
 
     def exception(self) -> BaseException | None:
         """The exception of a completed, failed future (``None`` otherwise)."""
@@ -142,7 +173,7 @@ class Future(torch.futures.Future[T]):
         ``timeout`` (seconds) bounds the wait with a ``TimeoutError``; RPC futures also carry
         their own call timeout.
         """
-        if not super().done():
+        if not _c_done(self):
             loop = self._loop_hint
             if loop is not None and _running_loop() is loop:
                 raise BlockingCallError(
@@ -150,10 +181,10 @@ class Future(torch.futures.Future[T]):
                 )
             if timeout is not None:
                 finished = threading.Event()
-                super().add_done_callback(lambda _: finished.set())
+                _c_add_done_callback(self, lambda _: finished.set())
                 if not finished.wait(timeout):
                     raise TimeoutError(f"Future not complete after {timeout} s")
-        return super().wait()
+        return _c_wait(self)
 
     # -- chaining ---------------------------------------------------------------------------------
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
@@ -168,7 +199,7 @@ class Future(torch.futures.Future[T]):
             except Exception:
                 log.exception("a Future callback raised")
 
-        super().add_done_callback(run)
+        _c_add_done_callback(self, run)
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new Future completed with ``callback(self)`` (or the exception it raises)."""
@@ -182,12 +213,12 @@ class Future(torch.futures.Future[T]):
             except BaseException as exc:  # noqa: BLE001 - the chained future carries it
                 chained._try_complete(None, exc)
 
-        super().add_done_callback(run)
+        _c_add_done_callback(self, run)
         return chained
 
     # -- asyncio -----------------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, None, T]:
-        if not super().done():
+        if not _c_done(self):
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
@@ -197,12 +228,12 @@ class Future(torch.futures.Future[T]):
                 else:
                     loop.call_soon_threadsafe(_settle, waiter)
 
-            super().add_done_callback(wake)
+            _c_add_done_callback(self, wake)
             yield from waiter.__await__()
-        return super().wait()
+        return _c_wait(self)
 
     def __repr__(self) -> str:
-        state = "pending" if not super().done() else ("failed" if self._error is not None else "done")
+        state = "pending" if not _c_done(self) else ("failed" if self._error is not None else "done")
         return f"<rpcdist.Future {state}>"
 
 

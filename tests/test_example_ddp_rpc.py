@@ -9,17 +9,12 @@ the server's table must have been trained.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _examples import run_example
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp_rpc.py"
 TIMEOUT = 200  # seconds; a quick run takes well under a minute on 2 idle cores
 EPOCH = re.compile(r"^epoch +(\d+)/(\d+) +trainer(\d) +loss ([\d.]+)", re.MULTILINE)
 RESULT = re.compile(r"result: first loss ([\d.]+), last loss ([\d.]+)")
@@ -28,25 +23,7 @@ MOVED = re.compile(r"ps: the embedding table moved by ([\d.]+)")
 
 @pytest.mark.timeout(TIMEOUT + 20)
 def test_ddp_rpc_quick_loss_falls(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--quick"],
-        cwd=tmp_path,  # the example must not depend on the current directory
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, so a hung run's workers can be killed too
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"no result in {TIMEOUT} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # workers it may have left behind
-    report = f"ddp_rpc.py exited {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
-    assert proc.returncode == 0, report
+    stdout, report = run_example("ddp_rpc.py", "--quick", cwd=tmp_path, timeout=TIMEOUT)
     assert "all 4 workers shut down cleanly" in stdout, report
 
     epochs: dict[int, list[float]] = {0: [], 1: []}

@@ -9,19 +9,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
+import _examples
 import pytest
 
 pytest.importorskip("sklearn")
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT = 200  # seconds per example; each quick run takes well under a minute on 2 idle cores
 ACCURACY = re.compile(r"result: test accuracy ([\d.]+)")
 LOSSES = re.compile(r"result: first loss ([\d.]+), last loss ([\d.]+)")
@@ -29,27 +24,7 @@ STEP = re.compile(r"^step +(\d+)/(\d+) +loss ([\d.]+)", re.MULTILINE)
 
 
 def run_example(script: str, *args: str, cwd: Path) -> tuple[str, str]:
-    """Run ``examples/<script> args``; returns its stdout and the report to fail with."""
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES_DIR / script), *args],
-        cwd=cwd,  # the examples must not depend on the current directory
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, so a hung run's workers can be killed too
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{script}: no result in {TIMEOUT} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # workers it may have left behind
-    report = f"{script} exited {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
-    assert proc.returncode == 0, report
-    return stdout, report
+    return _examples.run_example(script, *args, cwd=cwd, timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(TIMEOUT + 20)

@@ -6,44 +6,21 @@ the observers' calls interleave, so the improvement it shows is the same on ever
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _examples import run_example
 
 pytest.importorskip("gymnasium")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "rl_actor_observer.py"
 TIMEOUT = 180  # seconds; the quick run takes about 25 s on 2 cores
 RESULT = re.compile(r"first-10 mean ([\d.]+), last-10 mean ([\d.]+)")
 
 
 @pytest.mark.timeout(TIMEOUT + 20)
 def test_rl_actor_observer_quick_improves(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick"],
-        cwd=tmp_path,  # the example must not depend on the current directory
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, so a hung run's workers can be killed too
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"no result in {TIMEOUT} s\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # workers it may have left behind
-    report = f"exited {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
-    assert proc.returncode == 0, report
+    stdout, report = run_example("rl_actor_observer.py", "--quick", cwd=tmp_path, timeout=TIMEOUT)
     assert "episode   60" in stdout, report  # progress lines, up to the last episode
     assert "all 3 workers shut down cleanly" in stdout, report
     match = RESULT.search(stdout)

@@ -155,3 +155,36 @@ def test_a_failed_future_and_what_its_traceback_holds_are_collected() -> None:
     held_ref = fail_and_catch()
     gc.collect()
     assert held_ref() is None, "a failed future's traceback cycle was not collected"
+
+
+def test_a_losing_completion_never_changes_the_outcome() -> None:
+    failed: Future[int] = Future()
+    assert failed._try_complete(None, ValueError("first"))
+    assert not failed._try_complete(None, KeyError("second"))
+    assert not failed._try_complete(5, None)
+    with pytest.raises(ValueError, match="first"):
+        failed.wait()
+    assert isinstance(failed.exception(), ValueError)
+    done: Future[int] = Future()
+    assert done._try_complete(5, None)
+    assert not done._try_complete(None, KeyError("late"))
+    assert done.wait() == 5 and done.exception() is None
+
+
+def test_racing_failures_keep_one_error() -> None:
+    for _ in range(200):
+        fut: Future[object] = Future()
+        barrier = threading.Barrier(2)
+        errors = [ValueError("a"), KeyError("b")]
+        threads = [
+            threading.Thread(target=lambda e=e, b=barrier, f=fut: (b.wait(), f._try_complete(None, e)))
+            for e in errors
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        error = fut.exception()
+        assert any(error is e for e in errors)
+        with pytest.raises(type(error)):
+            fut.wait()

@@ -268,7 +268,11 @@ def remote(
 
     def start() -> Future[Any]:
         made.append(rrefs.create_remote(agent, to, func, args, kwargs, timeout))
-        return made[0]._confirmed
+        confirmation = made[0]._confirmed
+        if confirmation is None:  # already confirmed (a very quick call to ourselves)
+            confirmation = Future()
+            confirmation.set_result(None)
+        return confirmation
 
     profiled(
         lambda: profiling_key("remote", function_name(func), agent.info.name, agent.worker(to).name), start

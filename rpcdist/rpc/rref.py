@@ -151,15 +151,23 @@ class RRefContext:
                 weakref.finalize(rref, self._user_finalized, rref_id)
                 fresh = True
         if fresh:
-            rref._confirmed = self.agent.submit(
-                owner, _register, (rref_id, me, sender, token), None, 0, function_name="rpcdist.rref.register"
+            _await_confirmation(
+                rref,
+                self.agent.submit(
+                    owner,
+                    _register,
+                    (rref_id, me, sender, token),
+                    None,
+                    0,
+                    function_name="rpcdist.rref.register",
+                ),
             )
-        elif rref._confirmed is None or rref._confirmed.done():
+        elif (confirmation := rref._confirmed) is None or confirmation.done():
             self.child_accepted_at(sender, token)
         else:
             # Our own registration is still in flight: the sender must keep its hold until
             # the owner has it, or the sender's deletion could overtake it.
-            rref._confirmed.add_done_callback(lambda _: self.child_accepted_at(sender, token))
+            confirmation.add_done_callback(lambda _: self.child_accepted_at(sender, token))
         return rref
 
     def adopt_owned(self, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
@@ -606,15 +614,30 @@ def create_remote(
         call_args = (rref_id, -1, func, tuple(args or ()), dict(kwargs or {}), seconds)  # owner refs count it
         rref = RRef._make(dest, rref_id)
         context.track_owner_ref(rref)
-        rref._confirmed = agent.submit(dest, _create, call_args, None, timeout, function_name=name)
+        _await_confirmation(rref, agent.submit(dest, _create, call_args, None, timeout, function_name=name))
         return rref
     call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}), seconds)
     with context._lock:
         rref = RRef._make(dest, rref_id)
         context.users[rref_id] = weakref.ref(rref)
     weakref.finalize(rref, context._user_finalized, rref_id)
-    rref._confirmed = agent.submit(dest, _create, call_args, None, timeout, function_name=name)
+    _await_confirmation(rref, agent.submit(dest, _create, call_args, None, timeout, function_name=name))
     return rref
+
+
+def _await_confirmation(rref: RRef[Any], confirmation: Future[Any]) -> None:
+    """Keep the owner's confirmation of ``rref`` until it arrives; a successful one is then
+    dropped (``confirmed_by_owner()`` is true without it), so a live RRef does not keep a
+    future alive. A failed one stays: ``to_here`` raises its error."""
+    rref._confirmed = confirmation
+    held = weakref.ref(rref)
+
+    def arrived(done: Future[Any]) -> None:
+        owner_rref = held()
+        if owner_rref is not None and owner_rref._confirmed is done and done.exception() is None:
+            owner_rref._confirmed = None
+
+    confirmation.add_done_callback(arrived)
 
 
 def debug_info() -> dict[str, int]:
