@@ -25,6 +25,7 @@ Only the standard library is imported at module level.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib
 import os
@@ -40,8 +41,9 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = ("rpc", "c10d", "autograd")  # bench/scenarios/<name>.py
 
 
-class Scenario:
-    """A benchmark workload; the defaults give the standard peer-vs-rpcdist table."""
+class Scenario(abc.ABC):
+    """A benchmark workload; the defaults give the standard peer-vs-rpcdist table. A scenario
+    file implements the abstract methods: its configuration, one round, its rows and title."""
 
     name = ""
     doc = ""  # the module's docstring; its first paragraph is --help's description
@@ -60,14 +62,17 @@ class Scenario:
     failures_heading = "failures (tracebacks, and stacks for hangs, on stderr and in --json):"
 
     # ---- configuration -------------------------------------------------------------------------
-    def add_args(self, ap: argparse.ArgumentParser) -> None:
-        """The scenario's own flags."""
+    def add_args(self, ap: argparse.ArgumentParser) -> None:  # noqa: B027 - optional hook
+        """The scenario's own flags (none by default)."""
 
+    @abc.abstractmethod
     def make_config(self, quick: bool) -> dict[str, Any]:
-        raise NotImplementedError
+        """The workload's sizes and counts (``quick``: a short run)."""
 
-    def apply_args(self, cfg: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
-        """Apply the scenario's own flags to ``cfg`` (after --phase-budget)."""
+    def apply_args(  # noqa: B027 - optional hook
+        self, cfg: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser
+    ) -> None:
+        """Apply the scenario's own flags to ``cfg`` (after --phase-budget; none by default)."""
 
     def context(self) -> Any:
         return H.forkserver(list(self.preload))
@@ -80,6 +85,7 @@ class Scenario:
     def part_label(self, part: dict[str, Any]) -> str:
         return ", ".join(f"{k} {v}" for k, v in part.items())
 
+    @abc.abstractmethod
     def run_round(
         self, system: str, part: dict[str, Any], cfg: dict[str, Any], skip: set[str]
     ) -> dict[str, Any]:
@@ -87,11 +93,11 @@ class Scenario:
 
         Returns at least results, errors (phase -> text), hung (a phase, a list of them, or
         None) and load (``foreign_load`` or ``load_delta`` numbers, or None)."""
-        raise NotImplementedError
 
     # ---- the table -----------------------------------------------------------------------------
+    @abc.abstractmethod
     def rows(self, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The table's rows: id, label, unit, which way is better, target."""
 
     def value(self, row: dict[str, Any], rnd: dict[str, Any]) -> float | None:
         return rnd["results"].get(row["phase"], {}).get(row["key"])
@@ -129,8 +135,9 @@ class Scenario:
     def verdict(self, r: float | None, better: str) -> str:
         return verdict(r, better)
 
+    @abc.abstractmethod
     def title_lines(self, meta: dict[str, Any], agg: dict[str, Any]) -> list[str]:
-        raise NotImplementedError
+        """The lines above the table."""
 
     def notes(self, meta: dict[str, Any]) -> list[str]:
         """The lines after the table."""
