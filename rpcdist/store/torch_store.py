@@ -22,7 +22,9 @@ handle on the same data). Short operations (set, add, check...) share one; a ``g
 takes one of its own from a small pool, because a torch TCPStore client holds its socket for
 the whole of a blocking call: a ``wait`` for a key never holds up the ``set`` that would
 satisfy it. A connection that failed is replaced (a new one may take
-:data:`_CONNECT_TIMEOUT` seconds at most, so a server that is gone is reported quickly). A
+:data:`_CONNECT_TIMEOUT` seconds at most, so a server that is gone is reported in bounded
+time; not less, because torch's server looks up each new client's address in DNS before it
+answers it, which takes 5 s or more on a host whose DNS server does not answer). A
 store that cannot be cloned (a Python subclass of ``torch.distributed.Store``) is called
 directly.
 
@@ -79,7 +81,9 @@ _POLL_START = 0.001  # a wait without limit polls check(), from every 1 ms ...
 _POLL_CAP = 0.05  # ... doubling to every 50 ms
 _GRACE = 5.0  # seconds the loop waits past a timeout before giving up on a torch call
 _FOREVER = timedelta(days=365)  # a client timeout that does not run out
-_CONNECT_TIMEOUT = 5.0  # seconds a new connection of ours may take (a dead server fails then)
+# Seconds a new connection of ours may take (a dead server fails then). More than the 5 s a
+# resolver waits for an unanswered DNS query: torch's server does a reverse lookup per client.
+_CONNECT_TIMEOUT = 15.0
 
 
 class _Abandoned(Exception):
