@@ -371,3 +371,13 @@ def rref_view(rref: rpc.RRef[Any]) -> dict[str, Any]:
         value = rref.to_here()
         view["to_here"] = value.get() if isinstance(value, Counter) else value
     return view
+
+
+def add_then_double(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two torch ops the callee's profiler records (aten::add, aten::mul)."""
+    return torch.mul(torch.add(a, b), 2)
+
+
+def add_one_via(dst: str, a: torch.Tensor) -> torch.Tensor:
+    """A call that makes a nested call to ``dst`` (whose events come back too)."""
+    return rpc.rpc_sync(dst, torch.add, args=(a, 1))

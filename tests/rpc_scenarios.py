@@ -538,6 +538,34 @@ def _api_checks() -> None:  # noqa: C901 - a list of independent checks
             assert expected in names, (expected, sorted(n for n in names if n.startswith("rpc_")))
         assert rpc.rpc_sync("w1", rf.add, (1, 1), timeout=CALL_TIMEOUT) == 2  # no profiler: no event
 
+    with check("profiler/remote_events"):
+        from torch.autograd.profiler_legacy import profile as legacy_profile
+
+        t = torch.ones(4, 4)
+        for profile in (legacy_profile, torch.autograd.profiler.profile):  # torch's RPC: the legacy one
+            with profile(record_shapes=True) as prof:
+                doubled = rpc.rpc_sync("w1", rf.add_then_double, (t, t), timeout=CALL_TIMEOUT)
+                assert torch.equal(doubled, t * 4)
+                fut = rpc.rpc_async("w1", rf.add_one_via, ("w0", t), timeout=CALL_TIMEOUT)
+                assert torch.equal(fut.wait(), t + 1)
+            events = prof.function_events
+            call = next(e for e in events if e.name == "rpc_sync#add_then_double(w0 -> w1)")
+            remote = {e.name: e for e in events if e.is_remote}
+            add = remote["rpc_sync#add_then_double(w0 -> w1)#remote_op: aten::add"]
+            assert "rpc_sync#add_then_double(w0 -> w1)#remote_op: aten::mul" in remote, sorted(remote)
+            assert add.node_id == 1 and add.input_shapes[:2] == [[4, 4], [4, 4]], add
+            assert call.time_range.start <= add.time_range.start <= add.time_range.end <= call.time_range.end
+            # w1's own call back to w0, and the op it ran there
+            outer = "rpc_async#add_one_via(w0 -> w1)#remote_op: "
+            nested = remote[outer + "rpc_sync#aten::add(w1 -> w0)"]
+            assert nested.node_id == 1, nested
+            assert remote[outer + "rpc_sync#aten::add(w1 -> w0)#remote_op: aten::add"].node_id == 0
+            assert not [e for e in events if not e.is_remote and e.node_id not in (0, -1)]
+        with legacy_profile() as prof:  # an async function is not profiled on the callee
+            assert rpc.rpc_sync("w1", rf.async_add, (1, 2), timeout=CALL_TIMEOUT) == 3
+        assert [e.name for e in prof.function_events if e.is_remote] == []
+        assert "rpc_sync#async_add(w0 -> w1)" in {e.name for e in prof.function_events}
+
     with check("future/api"):
         fut = rpc.rpc_async("w1", rf.sleep_blocking, (0.5,), timeout=CALL_TIMEOUT)
         assert not fut.done(), "a 0.5 s call reported done as soon as it was issued"

@@ -116,6 +116,10 @@ def test_rpc_calls_show_in_torchs_profiler_with_torchs_names(run: GroupRun) -> N
     run.check("profiler/rpc_events")
 
 
+def test_callee_events_come_back_into_the_callers_profile(run: GroupRun) -> None:
+    run.check("profiler/remote_events")
+
+
 def test_async_function_runs_on_callee_loop(run: GroupRun) -> None:
     run.check("callee_loop/sync_mode")
 

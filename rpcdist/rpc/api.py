@@ -31,6 +31,7 @@ from rpcdist.agent.options import (
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future
+from rpcdist.rpc import profiling
 from rpcdist.rpc import rref as rrefs
 from rpcdist.rpc.profiling import function_name, profiled, profiling_key
 from rpcdist.store import PrefixStore
@@ -83,6 +84,9 @@ async def init_rpc_async(
     agent = Agent(WorkerInfo(name, rank), world_size, options, meeting, loop)
     agent.extension = autograd_contexts.CALL_EXTENSION  # calls carry the autograd context
     autograd_contexts.set_worker_rank(rank)
+    profiling.install()  # calls made under torch's profilers bring the callee's events back
+    if hasattr(torch._C, "_distributed_rpc"):  # node_id of this worker's profiler events, as torch
+        torch._C._distributed_rpc._set_profiler_node_id(rank)
     # Installed before serving: peers may call (and send RRefs) as soon as all have joined,
     # which can be before join_group returns here.
     rrefs.attach(agent)
@@ -233,10 +237,9 @@ def _call(
     timeout: float,
 ) -> Future[Any]:
     agent = current_agent()
-    return profiled(
-        lambda: profiling_key(mode, function_name(func), agent.info.name, agent.worker(to).name),
-        lambda: agent.submit(to, func, args, kwargs, timeout),
-    )
+    if not torch.autograd._profiler_enabled():
+        return agent.submit(to, func, args, kwargs, timeout)
+    return profiling.profiled_call(agent, mode, to, func, args, kwargs, timeout)
 
 
 def rpc_sync(
