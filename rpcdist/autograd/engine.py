@@ -139,8 +139,10 @@ async def _awaitable(future: Any) -> Any:
     return await future
 
 
-async def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
-    """On the worker that sent a tensor: continue the backward pass from it."""
+def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
+    """On the worker that sent a tensor (a pool thread, as a blocking call): continue the
+    backward pass from it. The local graph runs right on this thread (no hop back to the loop
+    between the message and the work); it returns once the passes it started elsewhere did."""
     agent = current_agent()
     context = _contexts.lookup(context_id)
     if context is None:
@@ -150,4 +152,7 @@ async def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) 
     tensor = context.sends.get(send_id)
     if tensor is None:
         raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
-    await local_pass(agent, context, [tensor], [grad])
+    with _contexts.entered(None):  # the passes it starts are not calls made in the context
+        passes = pass_on(agent, context, _local_gradients([tensor], [grad]))
+    for future in passes:
+        future.wait()
