@@ -81,6 +81,7 @@ __all__ = [
     "RemoteError",
     "WorkerUnavailableError",
     "UnknownWorkerError",
+    "WorkerDiedError",
     "PayloadTooLargeError",
     "SerializationError",
     "annotate_remote",
@@ -147,6 +148,11 @@ class WorkerUnavailableError(RpcError, DistNetworkError):
 
 class UnknownWorkerError(WorkerUnavailableError, ValueError):
     """No worker in the group has the given name or rank."""
+
+
+class WorkerDiedError(WorkerUnavailableError):
+    """The connection to a worker closed while calls to it were pending: it died (or left
+    without answering them). Raised at once, not at the calls' timeouts."""
 
 
 class PayloadTooLargeError(RpcError, ValueError):

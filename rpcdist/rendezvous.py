@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
@@ -44,7 +44,9 @@ __all__ = [
     "join_group",
     "arrive",
     "barrier",
+    "check_in",
     "leave_barrier",
+    "wait_checked_in",
     "is_loopback",
 ]
 
@@ -213,30 +215,49 @@ async def barrier(
     timeout: float | None,
     find_dead: Callable[[list[int]], Awaitable[list[int]]] | None = None,
     probe_every: float = 5.0,
-) -> None:
-    """Wait until every rank has reached barrier ``key``.
+    first_probe: float = 0.5,
+) -> list[int]:
+    """Wait until every rank has reached barrier ``key``, or is dead; returns the dead ones.
 
-    ``timeout=None`` waits as long as the missing ranks are alive: every ``probe_every``
-    seconds ``find_dead(missing)`` is asked which of them are gone, and a dead rank ends the
-    wait with a RendezvousError naming it instead of a hang.
+    The missing ranks are probed with ``find_dead(missing)`` (which of them are gone) after
+    ``first_probe`` seconds, then at doubling intervals up to every ``probe_every``; the dead
+    are left out (with a warning) and the wait goes on for the live ones, so a death never
+    hangs the barrier and never cuts it short for the living. ``timeout=None`` waits as long
+    as missing ranks are alive; a limited wait raises RendezvousError at ``timeout``.
     """
     await store.set_async(f"{key}/{rank}", b"1")
-    keys = [f"{key}/{r}" for r in range(world_size)]
     deadline = None if timeout is None else time.monotonic() + timeout
+    dead: list[int] = []
+    interval = min(first_probe, probe_every)
     while True:
-        step = probe_every if deadline is None else min(probe_every, max(0.0, deadline - time.monotonic()))
+        keys = [f"{key}/{r}" for r in range(world_size) if r not in dead]
+        step = interval if deadline is None else min(interval, max(0.0, deadline - time.monotonic()))
+        interval = min(interval * 2, probe_every)
         try:
             await store.wait_async(keys, step)
-            return
+            return dead
         except StoreTimeoutError:
             pass
-        missing = [r for r in range(world_size) if not await store.check_async([f"{key}/{r}"])]
+        missing = [
+            r for r in range(world_size) if r not in dead and not await store.check_async([f"{key}/{r}"])
+        ]
         if deadline is not None and time.monotonic() >= deadline:
             raise RendezvousError(f"barrier {key!r}: ranks {missing} did not arrive within {timeout:g} s")
-        if find_dead is not None:
-            dead = await find_dead(missing)
-            if dead:
-                raise RendezvousError(f"barrier {key!r}: ranks {dead} are gone; not waiting for them")
+        if find_dead is not None and missing:
+            gone = await find_dead(missing)
+            if gone:
+                log.warning("barrier %r: ranks %s are gone; waiting for the others only", key, gone)
+                dead += gone
+
+
+async def check_in(store: Store, key: str, rank: int) -> None:
+    """Tell barrier ``key`` (see :func:`wait_checked_in`) that ``rank`` reached it."""
+    await store.set_async(f"{key}/{rank}", b"1")
+
+
+async def wait_checked_in(store: Store, key: str, ranks: Iterable[int], timeout: float) -> None:
+    """Wait until every rank of ``ranks`` has checked in at ``key``."""
+    await store.wait_async([f"{key}/{r}" for r in ranks], timeout)
 
 
 def local_address_towards(host: str) -> str:

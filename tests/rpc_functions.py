@@ -381,3 +381,12 @@ def add_then_double(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def add_one_via(dst: str, a: torch.Tensor) -> torch.Tensor:
     """A call that makes a nested call to ``dst`` (whose events come back too)."""
     return rpc.rpc_sync(dst, torch.add, args=(a, 1))
+
+
+def die_in(seconds: float) -> int:
+    """This worker kills itself (SIGKILL, no clean-up) ``seconds`` from now; returns its pid."""
+    import os
+    import signal
+
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    return os.getpid()

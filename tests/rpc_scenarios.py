@@ -1119,3 +1119,31 @@ def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: 
     with check(f"nongraceful/after/{rank}"):
         with raises(RpcError):
             rpc.rpc_sync(0, rf.whoami)
+
+
+# ---------------------------------------------------------------------------- a worker dies
+def worker_death(rank: int, world_size: int, init_method: str, workdir: str) -> dict[str, Any]:
+    """Three workers; w2 is killed (SIGKILL) while w0 has a 60 s call in flight on it (its
+    timeout 120 s) and w1 has already asked to shut down. Reports how the call ended, whether
+    w1 still served w0 afterwards, and how long each survivor's shutdown took."""
+    init(rank, world_size, init_method)
+    report: dict[str, Any] = {}
+    if rank == 0:
+        pending = rpc.rpc_async("w2", rf.sleep_blocking, (60.0,), timeout=120.0)
+        rpc.rpc_sync("w2", rf.die_in, (1.0,), timeout=CALL_TIMEOUT)
+        start = time.monotonic()
+        try:
+            pending.wait()
+            report["call"] = "returned"
+        except Exception as exc:  # noqa: BLE001 - reported
+            report["call"] = type(exc).__name__
+            report["call_message"] = str(exc)
+            report["call_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
+        report["call_failed_after"] = time.monotonic() - start
+        report["w1_answers"] = rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT)
+    elif rank == 2:
+        time.sleep(120)  # killed long before
+    start = time.monotonic()
+    rpc.shutdown()
+    report["shutdown_seconds"] = time.monotonic() - start
+    return report

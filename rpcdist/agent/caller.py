@@ -20,7 +20,13 @@ from rpcdist import serialization
 from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.extensions import run_undo
 from rpcdist.agent.options import WorkerInfo
-from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError, WorkerUnavailableError
+from rpcdist.errors import (
+    RpcError,
+    RpcTimeoutError,
+    SerializationError,
+    WorkerDiedError,
+    WorkerUnavailableError,
+)
 from rpcdist.futures import Future
 from rpcdist.transport import Link, LinkHandler, frames, shm
 
@@ -234,8 +240,8 @@ class Caller(LinkHandler):
                 call.undo = []
                 self.fail(
                     call_id,
-                    WorkerUnavailableError(
-                        f"lost the connection to worker {link.peer.name} ({link.address}) while calling "
-                        f"{call.function}: {reason}"
+                    WorkerDiedError(
+                        f"worker {link.peer.name} is gone: lost the connection ({link.address}) while "
+                        f"calling {call.function}: {reason}"
                     ),
                 )

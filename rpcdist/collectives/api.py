@@ -285,8 +285,11 @@ async def destroy_process_group_async() -> None:
     _run_hooks(_destroy_hooks)
     try:
         store = PrefixStore(_STORE_PREFIX, state.store)
+        dead: list[int] = []
         try:
-            await rdv.barrier(store, "destroy", state.rank, state.world_size, None, state.agent.find_dead)
+            dead = await rdv.barrier(
+                store, "destroy", state.rank, state.world_size, None, state.agent.find_dead
+            )
         except Exception as exc:
             log.warning("rank %d: destroy barrier failed: %s", state.rank, exc)
         await state.agent.wait_for_outstanding(30.0)
@@ -294,12 +297,14 @@ async def destroy_process_group_async() -> None:
         state.slots.close()
         if state.agent.rendezvous.server is not None:
             try:
-                await rdv.leave_barrier(store, "destroy-exit", state.world_size, 30.0)
+                await rdv.check_in(store, "destroy-exit", state.rank)
+                live = [r for r in range(state.world_size) if r not in dead]
+                await rdv.wait_checked_in(store, "destroy-exit", live, 30.0)
             except Exception as exc:
                 log.warning("rank %d: exit barrier failed: %s", state.rank, exc)
         else:
             try:
-                await rdv.arrive(store, "destroy-exit", state.world_size)
+                await rdv.check_in(store, "destroy-exit", state.rank)
             except Exception as exc:
                 log.debug("exit notice failed: %s", exc)
         await state.agent.rendezvous.close()

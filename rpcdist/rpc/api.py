@@ -155,26 +155,30 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         return None if deadline is None else max(0.1, deadline - time.monotonic())
 
     store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
+    dead: list[int] = []
     try:
         if graceful:
             rrefs.release_all_users()
             await agent.wait_for_outstanding(remaining())
             try:
-                await rdv.barrier(
+                # Every live worker reaches shutdown before any leaves (a dead one is left out).
+                dead = await rdv.barrier(
                     store, "shutdown", agent.info.id, agent.world_size, remaining(), agent.find_dead
                 )
-            except Exception as exc:  # a peer died or the store is gone: still close below
+            except Exception as exc:  # out of time, or the store is gone: still close below
                 log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
         await agent.close(graceful)
         rrefs.detach()
         if graceful:
-            # The worker hosting the store keeps serving it until every worker has passed the
-            # shutdown barrier (they are all on their way out: this takes moments).
+            # The worker hosting the store keeps serving it until every live worker has passed
+            # the shutdown barrier (they are all on their way out: this takes moments).
             try:
                 if agent.rendezvous.server is not None:
-                    await rdv.leave_barrier(store, "exit", agent.world_size, min(remaining() or 30.0, 30.0))
+                    await rdv.check_in(store, "exit", agent.info.id)
+                    live = [r for r in range(agent.world_size) if r not in dead]
+                    await rdv.wait_checked_in(store, "exit", live, min(remaining() or 30.0, 30.0))
                 else:  # one message; if the store host is gone there is nobody left to tell
-                    await asyncio.wait_for(rdv.arrive(store, "exit", agent.world_size), 10.0)
+                    await asyncio.wait_for(rdv.check_in(store, "exit", agent.info.id), 10.0)
             except Exception as exc:
                 log.warning("%s: exit barrier failed: %s", agent.info.name, exc)
         await agent.rendezvous.close()

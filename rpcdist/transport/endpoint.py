@@ -60,6 +60,7 @@ class Transport(LinkHandler):
         self.slots = shm.SlotPool()
         self.peers: dict[int, PeerAddress] = {}
         self._links: dict[int, Link] = {}
+        self._lost: list[Link] = []  # links gone from under us, closed for good at close()
         self._server: grpc.aio.Server | None = None
         self._unix_server: asyncio.AbstractServer | None = None
         self.unix_path = ""
@@ -136,6 +137,8 @@ class Transport(LinkHandler):
     def on_lost(self, link: Link, reason: str) -> None:
         if self._links.get(link.peer.rank) is link:
             del self._links[link.peer.rank]  # the next send reconnects
+        link.writer.abort()  # nothing it still holds can arrive
+        self._lost.append(link)
         self._handler.on_lost(link, reason)
 
     # ------------------------------------------------------------------ shared memory
@@ -190,6 +193,9 @@ class Transport(LinkHandler):
         for link in list(self._links.values()):
             await link.close(graceful)
         self._links.clear()
+        for link in self._lost:
+            await link.close(graceful=False)
+        self._lost.clear()
         if self._unix_server is not None:
             self._unix_server.close()
             shm.remove_socket(self.unix_path)

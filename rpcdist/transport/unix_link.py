@@ -105,10 +105,24 @@ class UnixLink(Link):
     async def _connect(self, path: str) -> _FramedProtocol:
         loop = asyncio.get_running_loop()
         _, protocol = await loop.create_unix_connection(
-            lambda: _FramedProtocol(lambda raw: self.handler.on_frame(self, raw), self._eof.set), path
+            lambda: _FramedProtocol(lambda raw: self.handler.on_frame(self, raw), self._peer_done), path
         )
         self._protocol = protocol
         return protocol
+
+    def _peer_done(self) -> None:
+        """The callee closed its side: it has sent every reply it ever will (it answers all of
+        ours before closing when we shut down; otherwise it died or left). Calls still
+        pending fail now, through ``on_lost``, instead of at their timeouts."""
+        self._eof.set()
+
+        def close(connected: asyncio.Future[_FramedProtocol]) -> None:
+            if not connected.cancelled() and connected.exception() is None:
+                transport = connected.result().transport
+                if transport is not None:
+                    transport.close()
+
+        self._connected.add_done_callback(close)  # at once if connected already
 
     async def _write(self, frame: bytes) -> None:
         protocol = self._protocol or await self._connected

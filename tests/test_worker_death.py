@@ -1,0 +1,42 @@
+"""A worker that dies (SIGKILL) with calls in flight and a peer already shutting down.
+
+- The call in flight to it fails at once with WorkerDiedError naming it (its socket closed),
+  not at its 120 s timeout.
+- A graceful shutdown waits for every *live* worker (w1, which asked first, still serves
+  w0's call after the death) and leaves the dead one out.
+- Survivors shut down in moments (no 30 s wait for the dead worker's exit), with no task
+  left pending ("Task was destroyed but it is pending").
+"""
+
+from __future__ import annotations
+
+import pytest
+from _harness import GroupRun, run_group
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def death(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return run_group(tmp_path_factory.mktemp("death"), "worker_death", 3, "env", timeout=180)
+
+
+def test_call_in_flight_fails_at_once_naming_the_dead_worker(death: GroupRun) -> None:
+    report = death.value(0)
+    assert report["call"] == "WorkerDiedError", report
+    assert report["call_isinstance_unavailable"], report
+    assert "w2" in report["call_message"] and "sleep_blocking" in report["call_message"], report
+    # The socket closed with the process: far below the call's 120 s timeout.
+    assert report["call_failed_after"] < 30.0, report
+
+
+def test_shutdown_waits_for_live_workers_and_leaves_the_dead_out(death: GroupRun) -> None:
+    assert death.value(0)["w1_answers"] == "w1"  # w1 asked to shut down first, yet served it
+    assert death.outcome(2).exitcode == -9  # the dead worker never reached shutdown
+
+
+def test_survivors_shut_down_without_waiting_out_the_dead_or_leaking_tasks(death: GroupRun) -> None:
+    for rank in (0, 1):
+        # Before: w0 waited out the 30 s exit barrier for the dead worker.
+        assert death.value(rank)["shutdown_seconds"] < 25.0, death.report()
+        assert "Task was destroyed but it is pending" not in death.outcome(rank).log, death.report()
