@@ -31,8 +31,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
+import grpc
+
 from rpcdist.errors import MembershipError, RendezvousError, StoreError, StoreTimeoutError
 from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
+from rpcdist.store.service import SERVICE_NAME as STORE_SERVICE
 from rpcdist.store.torch_store import TCPStore
 
 log = logging.getLogger(__name__)
@@ -145,15 +148,46 @@ def uses_agent_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+_PROBE_SECONDS = 3.0  # how long whatever holds a taken store port has to say it is a store
+
+
 async def _serve_unless_served(host: str, port: int) -> StoreServer | None:
+    """Serve the store on ``port``; if the port is taken, use the store served there, provided
+    it is one (a standalone ``rpcdist-server``): anything else fails at once, naming the port."""
     bind_host = host if is_loopback(host) else "0.0.0.0"
     try:
         server = await StoreServer.start(bind_host, port)
     except (OSError, StoreError, RuntimeError) as exc:
+        reason = await _store_probe(host, port)
+        if reason is not None:
+            raise RendezvousError(
+                f"rank 0 cannot serve the store on port {port}: the port is in use by another "
+                f"program, and what answers at {host}:{port} is not an rpcdist store ({reason}). "
+                "Choose another MASTER_PORT (or the port of the init_method)."
+            ) from exc
         log.info("store address %s:%d is taken (%s); using the store served there", host, port, exc)
         return None
     log.info("rank 0 serves the store on %s:%d", bind_host, port)
     return server
+
+
+async def _store_probe(host: str, port: int) -> str | None:
+    """None if an rpcdist store serves ``host:port`` (its gRPC health service says so within
+    a few seconds), else what answered instead."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
+        try:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=STORE_SERVICE), timeout=_PROBE_SECONDS
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"no gRPC answer within {_PROBE_SECONDS:g} s"
+            return f"{exc.code().name}: {exc.details()}"
+    if answer.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"its health service says {health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)}"
+    return None
 
 
 async def join_group(

@@ -117,3 +117,49 @@ def test_group_works_after_refusals(membership: GroupRun) -> None:
         assert value["all"] == everyone
         assert value["ring"] == f"w{(rank + 1) % 3}"
     membership.assert_clean_exit()
+
+
+# ---------------------------------------------------------------------------- a taken store port
+def _silent_listener() -> Any:
+    """A program holding a port that accepts connections and never answers."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    sock.listen(8)
+    return sock, sock.getsockname()[1]
+
+
+def _http_server() -> Any:
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer((HOST, 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+@pytest.mark.parametrize("holder", [_silent_listener, _http_server], ids=["silent", "http"])
+def test_store_port_taken_by_another_program_fails_at_once(
+    holder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch fails at once; rank 0 used to wait out store_timeout (300 s) instead."""
+    import socket
+    import time
+
+    import rpcdist.rpc as rpc
+    from rpcdist.errors import RendezvousError
+
+    held, port = holder()
+    monkeypatch.setenv("MASTER_ADDR", HOST)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    try:
+        with pytest.raises(RendezvousError) as info:
+            rpc.init_rpc("w0", rank=0, world_size=1)
+    finally:
+        held.close() if isinstance(held, socket.socket) else held.shutdown()
+    message = str(info.value)
+    assert f"port {port}" in message and "in use by another program" in message, message
+    assert "MASTER_PORT" in message, message
+    assert time.monotonic() - start < 30.0  # the probe's few seconds, never the 300 s store timeout
