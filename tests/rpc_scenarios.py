@@ -1122,11 +1122,11 @@ def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: 
 
 
 # ---------------------------------------------------------------------------- a worker dies
-def worker_death(rank: int, world_size: int, init_method: str, workdir: str) -> dict[str, Any]:
+def worker_death(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> dict[str, Any]:
     """Three workers; w2 is killed (SIGKILL) while w0 has a 60 s call in flight on it (its
     timeout 120 s) and w1 has already asked to shut down. Reports how the call ended, whether
     w1 still served w0 afterwards, and how long each survivor's shutdown took."""
-    init(rank, world_size, init_method)
+    init(rank, world_size, init_method, **opts)
     report: dict[str, Any] = {}
     if rank == 0:
         pending = rpc.rpc_async("w2", rf.sleep_blocking, (60.0,), timeout=120.0)

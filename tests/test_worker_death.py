@@ -1,7 +1,7 @@
 """A worker that dies (SIGKILL) with calls in flight and a peer already shutting down.
 
 - The call in flight to it fails at once with WorkerDiedError naming it (its socket closed),
-  not at its 120 s timeout.
+  not at its 120 s timeout; on the Unix-socket path and on the gRPC stream.
 - A graceful shutdown waits for every *live* worker (w1, which asked first, still serves
   w0's call after the death) and leaves the dead one out.
 - Survivors shut down in moments (no 30 s wait for the dead worker's exit), with no task
@@ -16,9 +16,14 @@ from _harness import GroupRun, run_group
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module")
-def death(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
-    return run_group(tmp_path_factory.mktemp("death"), "worker_death", 3, "env", timeout=180)
+TRANSPORTS = {"unix": {}, "grpc": {"transport": "grpc", "shm_threshold_bytes": 0}}
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def death(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    """The Unix-socket path (default between co-located workers) and the gRPC stream."""
+    workdir = tmp_path_factory.mktemp(f"death-{request.param}")
+    return run_group(workdir, "worker_death", 3, "env", params=TRANSPORTS[request.param], timeout=180)
 
 
 def test_call_in_flight_fails_at_once_naming_the_dead_worker(death: GroupRun) -> None:
