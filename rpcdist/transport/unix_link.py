@@ -145,11 +145,13 @@ class UnixLink(Link):
             if graceful:
                 await asyncio.wait_for(self.writer.close(), 5.0)
                 protocol = await asyncio.wait_for(self._connected, 5.0)
-                if protocol.transport is not None and protocol.transport.can_write_eof():
-                    protocol.transport.write_eof()
+                transport = protocol.transport
+                # The peer may have closed first (its EOF closes ours): nothing left to end.
+                if transport is not None and not transport.is_closing() and transport.can_write_eof():
+                    transport.write_eof()
                 await asyncio.wait_for(self._eof.wait(), 5.0)  # the callee finished our calls
-        except (asyncio.TimeoutError, OSError):
-            pass
+        except (asyncio.TimeoutError, OSError, RuntimeError):
+            pass  # RuntimeError: uvloop's word for a transport closed under us
         finally:
             self.writer.abort()
             self.reader.cancel()
