@@ -383,6 +383,30 @@ def add_one_via(dst: str, a: torch.Tensor) -> torch.Tensor:
     return rpc.rpc_sync(dst, torch.add, args=(a, 1))
 
 
+def slow_ones(seconds: float) -> torch.Tensor:
+    """A value that takes ``seconds`` to make (for an RRef whose creation is still running)."""
+    time.sleep(seconds)
+    return torch.ones(2)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward pass sleeps 60 s (so a distributed backward waits on it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(60.0)
+        return grad
+
+
+def slow_backward_identity(x: torch.Tensor) -> torch.Tensor:
+    """``x``, through a function whose gradient takes 60 s to compute here."""
+    return _SlowBackward.apply(x)
+
+
 def die_in(seconds: float) -> int:
     """This worker kills itself (SIGKILL, no clean-up) ``seconds`` from now; returns its pid."""
     import os

@@ -9,6 +9,7 @@ The test modules assert on the recorded checks and return values.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import io
@@ -16,6 +17,7 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1123,26 +1125,57 @@ def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: 
 
 # ---------------------------------------------------------------------------- a worker dies
 def worker_death(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> dict[str, Any]:
-    """Three workers; w2 is killed (SIGKILL) while w0 has a 60 s call in flight on it (its
-    timeout 120 s) and w1 has already asked to shut down. Reports how the call ended, whether
-    w1 still served w0 afterwards, and how long each survivor's shutdown took."""
+    """Three workers; w2 is killed (SIGKILL) while w0 waits on it in every way a worker can —
+    a 60 s call (its timeout 120 s), ``to_here`` of an RRef still being created, a P2P recv,
+    a collective of a group with w2, a distributed backward pass whose part on w2 is running —
+    and while w1 has already asked to shut down. Reports how each wait ended and after how
+    long, whether w1 still served w0 afterwards, and how long each survivor's shutdown took."""
+    import rpcdist as dist
+    import rpcdist.autograd as dist_autograd
+
     init(rank, world_size, init_method, **opts)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    with_w2 = dist.new_group([0, 2])
     report: dict[str, Any] = {}
     if rank == 0:
+        waits: dict[str, Callable[[], Any]] = {}
         pending = rpc.rpc_async("w2", rf.sleep_blocking, (60.0,), timeout=120.0)
+        waits["call"] = pending.wait
+        creating = rpc.remote("w2", rf.slow_ones, (60.0,), timeout=120.0)
+        waits["to_here"] = creating.to_here_async(timeout=120.0).wait
+        waits["recv"] = dist.irecv(torch.zeros(2), src=2).wait
+        waits["all_reduce"] = dist.all_reduce(torch.ones(2), group=with_w2, async_op=True).wait
+        backward_done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def backward() -> None:
+            try:
+                with dist_autograd.context() as context_id:
+                    x = torch.ones(2, requires_grad=True)
+                    y = rpc.rpc_sync("w2", rf.slow_backward_identity, (x,), timeout=CALL_TIMEOUT)
+                    dist_autograd.backward(context_id, [y.sum()])
+                backward_done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - reported
+                backward_done.set_exception(exc)
+
+        threading.Thread(target=backward, daemon=True).start()
+        waits["backward"] = lambda: backward_done.result(150)
+        time.sleep(1.0)  # the backward pass has reached w2's sleeping function
         rpc.rpc_sync("w2", rf.die_in, (1.0,), timeout=CALL_TIMEOUT)
         start = time.monotonic()
-        try:
-            pending.wait()
-            report["call"] = "returned"
-        except Exception as exc:  # noqa: BLE001 - reported
-            report["call"] = type(exc).__name__
-            report["call_message"] = str(exc)
-            report["call_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
-        report["call_failed_after"] = time.monotonic() - start
+        for what, wait in waits.items():
+            try:
+                wait()
+                report[what] = "returned"
+            except Exception as exc:  # noqa: BLE001 - reported
+                report[what] = type(exc).__name__
+                report[f"{what}_message"] = str(exc)
+                report[f"{what}_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
+            report[f"{what}_failed_after"] = time.monotonic() - start
         report["w1_answers"] = rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT)
     elif rank == 2:
         time.sleep(120)  # killed long before
+    if rank != 2:
+        dist.destroy_process_group()
     start = time.monotonic()
     rpc.shutdown()
     report["shutdown_seconds"] = time.monotonic() - start

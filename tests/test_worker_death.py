@@ -1,7 +1,8 @@
 """A worker that dies (SIGKILL) with calls in flight and a peer already shutting down.
 
 - The call in flight to it fails at once with WorkerDiedError naming it (its socket closed),
-  not at its 120 s timeout; on the Unix-socket path and on the gRPC stream.
+  not at its 120 s timeout; on the Unix-socket path and on the gRPC stream. So do the other
+  waits on it: ``to_here``, a P2P recv, a collective, a distributed backward pass.
 - A graceful shutdown waits for every *live* worker (w1, which asked first, still serves
   w0's call after the death) and leaves the dead one out.
 - Survivors shut down in moments (no 30 s wait for the dead worker's exit), with no task
@@ -33,6 +34,28 @@ def test_call_in_flight_fails_at_once_naming_the_dead_worker(death: GroupRun) ->
     assert "w2" in report["call_message"] and "sleep_blocking" in report["call_message"], report
     # The socket closed with the process: far below the call's 120 s timeout.
     assert report["call_failed_after"] < 30.0, report
+
+
+@pytest.mark.parametrize(
+    ("wait", "error", "names"),
+    [
+        ("to_here", "WorkerDiedError", "w2"),
+        ("recv", "PeerLostError", "rank 2"),
+        ("all_reduce", "PeerLostError", "rank 2"),
+        ("backward", "WorkerDiedError", "w2"),
+    ],
+)
+def test_every_other_wait_on_the_dead_worker_fails_at_once(
+    death: GroupRun, wait: str, error: str, names: str
+) -> None:
+    """to_here of an RRef it was creating, a P2P recv from it, a collective with it and a
+    distributed backward pass running on it: none waits out its timeout (120 s, the group's
+    30 min, the RPC timeout)."""
+    report = death.value(0)
+    assert report[wait] == error, report
+    assert report[f"{wait}_isinstance_unavailable"], report  # one `except` catches them all
+    assert names in report[f"{wait}_message"], report
+    assert report[f"{wait}_failed_after"] < 30.0, report
 
 
 def test_shutdown_waits_for_live_workers_and_leaves_the_dead_out(death: GroupRun) -> None:

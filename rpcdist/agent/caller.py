@@ -232,8 +232,10 @@ class Caller(LinkHandler):
                 )
 
     def on_lost(self, link: Link, reason: str) -> None:
-        """The link to a peer is gone: every call pending on it fails now."""
+        """The link to a peer is gone: every call pending on it fails now, and whoever
+        watches the peer (see ``Agent.on_peer_lost``) hears of it."""
         rank = link.peer.rank
+        self._agent.peer_lost(rank, reason)
         for call_id, call in list(self.pending.items()):
             if call.dest.id == rank:
                 run_undo(call.undo)  # the receiver is gone with them

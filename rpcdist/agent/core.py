@@ -66,6 +66,7 @@ class Agent:
         self.inbox = LoopInbox(loop)
         self.closing = False
         self._closed = False
+        self._peer_lost_listeners: list[Callable[[WorkerInfo, str], None]] = []
         self.caller = Caller(self)
         self.callee = Callee(self)
         self.transport = Transport(
@@ -180,6 +181,33 @@ class Agent:
         once on bad input (unknown worker, unpicklable arguments, too large).
         """
         return self.caller.submit(to, func, args, kwargs, timeout, function_name=function_name)
+
+    def on_peer_lost(self, listener: Callable[[WorkerInfo, str], None]) -> None:
+        """Call ``listener(peer, reason)`` on the loop whenever the link to a peer is lost
+        (it died, left, or the connection broke). Pending calls to it fail on their own; this
+        is for waits that are not calls, such as a receive of the peer's next message."""
+        self._peer_lost_listeners.append(listener)
+
+    def watch(self, rank: int) -> None:
+        """Make sure a link to ``rank`` is open (loop only), so that its loss is noticed even
+        when this worker never calls it. Unknown ranks and a closed agent are ignored."""
+        if self.closing or rank == self.info.id or rank not in self.workers_by_rank:
+            return
+        try:
+            self.transport.link(rank)
+        except Exception as exc:  # noqa: BLE001 - closed or unknown: nothing to watch
+            log.debug("%s: cannot watch rank %d: %s", self.info.name, rank, exc)
+
+    def peer_lost(self, rank: int, reason: str) -> None:
+        """The transport lost the link to ``rank``: tell the listeners (loop only)."""
+        peer = self.workers_by_rank.get(rank)
+        if peer is None or self.closing:
+            return
+        for listener in list(self._peer_lost_listeners):
+            try:
+                listener(peer, reason)
+            except Exception:  # a listener's bug must not keep the others from hearing it
+                log.exception("peer-lost listener %r failed", listener)
 
     def on_loop(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the loop, after anything posted before it (from any thread)."""

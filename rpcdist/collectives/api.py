@@ -46,6 +46,7 @@ from rpcdist.collectives.group import (
     _State,
     current_state,
     set_state,
+    watch_peers,
 )
 from rpcdist.collectives.loans import Loan
 from rpcdist.collectives.reduce_ops import ReduceOp, check_op, reduce_op
@@ -217,6 +218,7 @@ async def _init(
     agent = Agent(WorkerInfo(f"c10d-rank{rank}", rank), world_size, options, meeting, loop)
     state = _State(rank, world_size, name, seconds, agent, loop, owns_loop, store=meeting.store)
     state.world = ProcessGroup(state, 0, list(range(world_size)), seconds)
+    watch_peers(state)
     set_state(state)  # before serving: peers may send as soon as everyone has joined
     try:
         await agent.serve(options.listen_host or _listen_host(meeting.host))

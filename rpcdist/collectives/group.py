@@ -21,7 +21,7 @@ import torch
 from rpcdist.agent.markers import inline
 from rpcdist.collectives.loans import LOAN_MIN_BYTES, Loan, borrow_tensor, lend_tensor
 from rpcdist.collectives.mailbox import Mailbox
-from rpcdist.errors import DistBackendError, RpcdistError
+from rpcdist.errors import DistBackendError, RpcdistError, WorkerDiedError
 from rpcdist.futures import Future
 from rpcdist.transport.shm import SlotPool
 
@@ -37,6 +37,16 @@ class DistributedError(RpcdistError, DistBackendError):
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):
     """A peer's message did not arrive within the process group's timeout."""
+
+
+class PeerLostError(DistributedError, WorkerDiedError):
+    """A peer an operation was waiting for is gone (its connection closed): raised at once,
+    not at the group's timeout. Also a ``WorkerDiedError``."""
+
+
+# After a peer's link is lost, its last messages may still be on their way on its own
+# connection to us: receives waiting for it fail only after this long.
+LOST_PEER_GRACE_SECONDS = 0.5
 
 
 class ProcessGroup:
@@ -128,6 +138,8 @@ class ProcessGroup:
     async def receive(self, from_group_rank: int | None, tag: Any, what: str) -> tuple[int, Any]:
         """The next message with ``tag`` from a member (any member if None): (group rank, payload)."""
         src = None if from_group_rank is None else self.global_rank(from_group_rank)
+        if src is not None:
+            self._state.agent.watch(src)  # so that its death ends this wait
         try:
             sender, payload = await asyncio.wait_for(
                 self._state.mailbox.take((self.group_id, tag), src),
@@ -138,6 +150,8 @@ class ProcessGroup:
             raise CollectiveTimeoutError(
                 f"{what} on rank {self._state.rank}: no message from {who} within {self.timeout:g} s"
             ) from None
+        except PeerLostError as exc:
+            raise PeerLostError(f"{what} on rank {self._state.rank}: {exc}") from None
         return self._group_rank.get(sender, -1), payload
 
     def __repr__(self) -> str:
@@ -163,6 +177,19 @@ class _State:
 
 
 _state: _State | None = None
+
+
+def watch_peers(state: _State) -> None:
+    """Fail the receives waiting for a peer as soon as its link is lost (after a short grace
+    for its last messages), instead of at the group's timeout."""
+
+    def lost(peer: Any, reason: str) -> None:
+        def error() -> BaseException:
+            return PeerLostError(f"rank {peer.id} is gone (its connection closed: {reason})")
+
+        state.loop.call_later(LOST_PEER_GRACE_SECONDS, state.mailbox.sender_gone, peer.id, error)
+
+    state.agent.on_peer_lost(lost)
 
 
 def current_state() -> _State:

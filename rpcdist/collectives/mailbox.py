@@ -4,12 +4,16 @@ Messages are keyed by (group, tag); within a key they are kept in arrival order,
 messages from one sender arrive in the order it sent them, so a receive for ``src`` always
 gets that sender's oldest unclaimed message. A receive with ``src=None`` takes the oldest
 message from anyone.
+
+A sender that is gone (its link lost) fails the receives waiting for it, and later ones,
+until a message from it arrives again; what it sent before it went is still delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from typing import Any
 
 Key = tuple[int, Any]  # (group id, tag)
@@ -21,9 +25,20 @@ class Mailbox:
     def __init__(self) -> None:
         self._messages: dict[Key, collections.deque[tuple[int, Any]]] = {}
         self._waiters: dict[Key, collections.deque[tuple[int | None, asyncio.Future[tuple[int, Any]]]]] = {}
+        self._gone: dict[int, Callable[[], BaseException]] = {}
+
+    def sender_gone(self, src: int, error: Callable[[], BaseException]) -> None:
+        """Global rank ``src`` is gone: receives waiting for it fail with ``error()`` now, and so
+        do later ones that find none of its messages here."""
+        self._gone[src] = error
+        for waiters in self._waiters.values():
+            for wanted, future in waiters:
+                if wanted == src and not future.done():
+                    future.set_exception(error())
 
     def deliver(self, key: Key, src: int, payload: Any) -> None:
         """A message from global rank ``src`` has arrived."""
+        self._gone.pop(src, None)  # it is back (a new link)
         waiters = self._waiters.get(key)
         if waiters:
             for index, (wanted, future) in enumerate(waiters):
@@ -45,6 +60,8 @@ class Mailbox:
                     if not queue:
                         del self._messages[key]
                     return sender, payload
+        if src is not None and src in self._gone:
+            raise self._gone[src]()
         future: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
         waiters = self._waiters.setdefault(key, collections.deque())
         waiters.append((src, future))
