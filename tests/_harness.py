@@ -87,6 +87,10 @@ class check:  # noqa: N801 - used as a statement: ``with check("name"):``
 
 def _child_main(spec: dict[str, Any]) -> None:
     """Entry point of a worker process."""
+    if spec["host"]:
+        import _netns
+
+        _netns.enter(spec["host"])
     log = open(spec["log_path"], "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -204,6 +208,7 @@ class ProcSpec:
     world_size: int
     params: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    host: str = ""  # a network namespace to run in (see ``_netns``); "" = this host
 
 
 @dataclass
@@ -223,15 +228,15 @@ class ProcOutcome:
 class InitMethod:
     """The init_method URL of one group and the environment its workers need."""
 
-    def __init__(self, kind: str, workdir: Path) -> None:
+    def __init__(self, kind: str, workdir: Path, host: str = HOST) -> None:
         self.kind = kind
         self.port = free_port()
         self.env: dict[str, str] = {}
         if kind == "env":
             self.url = "env://"
-            self.env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(self.port)}
+            self.env = {"MASTER_ADDR": host, "MASTER_PORT": str(self.port)}
         elif kind == "tcp":
-            self.url = f"tcp://{HOST}:{self.port}"
+            self.url = f"tcp://{host}:{self.port}"
         elif kind == "file":
             self.url = f"file://{workdir / 'rendezvous.store'}"
         else:
@@ -371,6 +376,7 @@ class Launch:
             "log_path": str(self.workdir / f"{label}.log"),
             "result_path": str(self.workdir / f"{label}.json"),
             "launched_at": time.time(),
+            "host": spec.host,
         }
         process = _mp_context().Process(target=_child_main, args=(child,), name=f"rpc-test-{label}")
         process.start()

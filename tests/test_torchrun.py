@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,43 +79,6 @@ def test_c10d_rendezvous_on_one_host(tmp_path: Path) -> None:
     args = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     _finish([_torchrun([*args, "--rdzv-id", "one-host"], tmp_path)])
     _assert_worked(_results(tmp_path, 2), 2)
-
-
-def _can_make_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root for network namespaces"
-    for tool in ("ip", "unshare", "mount"):
-        if shutil.which(tool) is None:
-            return f"needs {tool}"
-    return None
-
-
-@pytest.fixture
-def two_hosts() -> tuple[tuple[str, str], tuple[str, str]]:
-    """Two network namespaces joined by a veth pair: (name, address) each."""
-    reason = _can_make_namespaces()
-    if reason:
-        pytest.skip(reason)
-    tag = f"{os.getpid() % 100000}"
-    hosts = ((f"rdA{tag}", "10.231.0.1"), (f"rdB{tag}", "10.231.0.2"))
-    links = (f"rdA{tag}v", f"rdB{tag}v")
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-    try:
-        for name, _ in hosts:
-            ip("netns", "add", name)
-        ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for (name, address), link in zip(hosts, links, strict=True):
-            ip("link", "set", link, "netns", name)
-            ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
-            ip("-n", name, "link", "set", link, "up")
-            ip("-n", name, "link", "set", "lo", "up")
-        yield hosts
-    finally:
-        for name, _ in hosts:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
 def test_two_hosts_in_network_namespaces(tmp_path: Path, two_hosts: tuple[tuple[str, str], ...]) -> None:

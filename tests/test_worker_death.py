@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from _harness import GroupRun, run_group
+from _harness import GroupRun, InitMethod, Launch, ProcSpec, run_group
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,3 +70,24 @@ def test_survivors_shut_down_without_waiting_out_the_dead_or_leaking_tasks(death
         # Before: w0 waited out the 30 s exit barrier for the dead worker.
         assert death.value(rank)["shutdown_seconds"] < 25.0, death.report()
         assert "Task was destroyed but it is pending" not in death.outcome(rank).log, death.report()
+
+
+def test_worker_dying_on_another_host(two_hosts: tuple[tuple[str, str], ...], tmp_path: Path) -> None:
+    """The same death across the network: w0 (with the store) and w1 on one "host", w2 on
+    another (network namespaces, each with its own /dev/shm, so every link is a gRPC stream
+    over the veth pair). The dead process's kernel resets its connections: every wait on it
+    fails at once, as on one host."""
+    (host_a, addr_a), (host_b, _) = two_hosts
+    launch = Launch(tmp_path, InitMethod("env", tmp_path, host=addr_a))
+    for rank in range(3):
+        launch.start(ProcSpec("worker_death", rank, 3, host=host_a if rank < 2 else host_b))
+    run = launch.finish(180)
+    report = run.value(0)
+    for wait in ("call", "to_here", "recv", "all_reduce", "backward"):
+        assert report[f"{wait}_isinstance_unavailable"], report
+        assert report[f"{wait}_failed_after"] < 30.0, report
+    assert "10.231.0.2" in report["call_message"], report  # over the network, to the other host
+    assert report["w1_answers"] == "w1", report
+    assert run.outcome(2).exitcode == -9
+    for rank in (0, 1):
+        assert run.value(rank)["shutdown_seconds"] < 25.0, run.report()
