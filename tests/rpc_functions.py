@@ -407,6 +407,16 @@ def slow_backward_identity(x: torch.Tensor) -> torch.Tensor:
     return _SlowBackward.apply(x)
 
 
+def freeze_in(seconds: float) -> int:
+    """This worker stops (SIGSTOP: alive, connections open, answering nothing) ``seconds``
+    from now, as a hung process or a vanished host looks to its peers; returns its pid."""
+    import os
+    import signal
+
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    return os.getpid()
+
+
 def die_in(seconds: float) -> int:
     """This worker kills itself (SIGKILL, no clean-up) ``seconds`` from now; returns its pid."""
     import os

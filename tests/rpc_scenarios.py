@@ -13,7 +13,10 @@ import concurrent.futures
 import contextlib
 import importlib
 import io
+import os
 import pickle
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -1124,12 +1127,24 @@ def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: 
 
 
 # ---------------------------------------------------------------------------- a worker dies
-def worker_death(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> dict[str, Any]:
-    """Three workers; w2 is killed (SIGKILL) while w0 waits on it in every way a worker can —
-    a 60 s call (its timeout 120 s), ``to_here`` of an RRef still being created, a P2P recv,
-    a collective of a group with w2, a distributed backward pass whose part on w2 is running —
-    and while w1 has already asked to shut down. Reports how each wait ended and after how
-    long, whether w1 still served w0 afterwards, and how long each survivor's shutdown took."""
+def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
+    rank: int,
+    world_size: int,
+    init_method: str,
+    workdir: str,
+    death: str = "kill",
+    cut: str = "",
+    **opts: Any,
+) -> dict[str, Any]:
+    """Three workers; w2 is lost while w0 waits on it in every way a worker can — a 60 s call
+    (its timeout 120 s), ``to_here`` of an RRef still being created, a P2P recv, a collective
+    of a group with w2, a distributed backward pass whose part on w2 is running — and while w1
+    has already asked to shut down. Reports how each wait ended and after how long, whether
+    w1 still served w0 afterwards, and how long each survivor's shutdown took.
+
+    ``death``: "kill" (SIGKILL: its connections close), "freeze" (SIGSTOP: they stay open,
+    nothing answers) or "cut" (w0 takes down its network interface ``cut``, the veth towards
+    w2's host). A frozen or cut-off w2 is killed once the waits have ended."""
     import rpcdist as dist
     import rpcdist.autograd as dist_autograd
 
@@ -1160,7 +1175,13 @@ def worker_death(rank: int, world_size: int, init_method: str, workdir: str, **o
         threading.Thread(target=backward, daemon=True).start()
         waits["backward"] = lambda: backward_done.result(150)
         time.sleep(1.0)  # the backward pass has reached w2's sleeping function
-        rpc.rpc_sync("w2", rf.die_in, (1.0,), timeout=CALL_TIMEOUT)
+        if death == "cut":
+            pid = rpc.rpc_sync("w2", rf.freeze_in, (3600.0,), timeout=CALL_TIMEOUT)
+            time.sleep(1.0)
+            subprocess.run(["ip", "link", "set", cut, "down"], check=True, timeout=30)
+        else:
+            how = rf.die_in if death == "kill" else rf.freeze_in
+            pid = rpc.rpc_sync("w2", how, (1.0,), timeout=CALL_TIMEOUT)
         start = time.monotonic()
         for what, wait in waits.items():
             try:
@@ -1171,6 +1192,8 @@ def worker_death(rank: int, world_size: int, init_method: str, workdir: str, **o
                 report[f"{what}_message"] = str(exc)
                 report[f"{what}_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
             report[f"{what}_failed_after"] = time.monotonic() - start
+        if death != "kill":
+            os.kill(pid, signal.SIGKILL)
         report["w1_answers"] = rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT)
     elif rank == 2:
         time.sleep(120)  # killed long before

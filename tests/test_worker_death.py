@@ -1,8 +1,10 @@
-"""A worker that dies (SIGKILL) with calls in flight and a peer already shutting down.
+"""A worker that dies (SIGKILL) or stops answering (SIGSTOP; its host's link cut) with calls
+in flight and a peer already shutting down.
 
-- The call in flight to it fails at once with WorkerDiedError naming it (its socket closed),
-  not at its 120 s timeout; on the Unix-socket path and on the gRPC stream. So do the other
-  waits on it: ``to_here``, a P2P recv, a collective, a distributed backward pass.
+- The call in flight to it fails with WorkerDiedError naming it — at once when its socket
+  closes, within the heartbeat bound (1 s x (3 + 1)) when nothing closes — not at its 120 s
+  timeout; on the Unix-socket path, on the gRPC stream and across network namespaces. So do
+  the other waits on it: ``to_here``, a P2P recv, a collective, a distributed backward pass.
 - A graceful shutdown waits for every *live* worker (w1, which asked first, still serves
   w0's call after the death) and leaves the dead one out.
 - Survivors shut down in moments (no 30 s wait for the dead worker's exit), with no task
@@ -20,13 +22,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 TRANSPORTS = {"unix": {}, "grpc": {"transport": "grpc", "shm_threshold_bytes": 0}}
+# (transport, how w2 is lost): killed (its connections close) or frozen (SIGSTOP: they stay
+# open and nothing answers, as when a host vanishes; found by heartbeats, 1 s x (3 + 1)).
+RUNS = {"unix-kill": ("unix", "kill"), "grpc-kill": ("grpc", "kill"), "unix-freeze": ("unix", "freeze")}
 
 
-@pytest.fixture(scope="module", params=list(TRANSPORTS))
+@pytest.fixture(scope="module", params=list(RUNS))
 def death(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
-    """The Unix-socket path (default between co-located workers) and the gRPC stream."""
+    transport, how = RUNS[request.param]
     workdir = tmp_path_factory.mktemp(f"death-{request.param}")
-    return run_group(workdir, "worker_death", 3, "env", params=TRANSPORTS[request.param], timeout=180)
+    params = {**TRANSPORTS[transport], "death": how}
+    return run_group(workdir, "worker_death", 3, "env", params=params, timeout=180)
 
 
 def test_call_in_flight_fails_at_once_naming_the_dead_worker(death: GroupRun) -> None:
@@ -34,7 +40,8 @@ def test_call_in_flight_fails_at_once_naming_the_dead_worker(death: GroupRun) ->
     assert report["call"] == "WorkerDiedError", report
     assert report["call_isinstance_unavailable"], report
     assert "w2" in report["call_message"] and "sleep_blocking" in report["call_message"], report
-    # The socket closed with the process: far below the call's 120 s timeout.
+    # The socket closed with the process, or heartbeats went unanswered (4 s): far below the
+    # call's 120 s timeout.
     assert report["call_failed_after"] < 30.0, report
 
 
@@ -62,7 +69,7 @@ def test_every_other_wait_on_the_dead_worker_fails_at_once(
 
 def test_shutdown_waits_for_live_workers_and_leaves_the_dead_out(death: GroupRun) -> None:
     assert death.value(0)["w1_answers"] == "w1"  # w1 asked to shut down first, yet served it
-    assert death.outcome(2).exitcode == -9  # the dead worker never reached shutdown
+    assert death.outcome(2).exitcode == -9  # the dead (or frozen, then killed) worker never reached shutdown
 
 
 def test_survivors_shut_down_without_waiting_out_the_dead_or_leaking_tasks(death: GroupRun) -> None:
@@ -72,17 +79,24 @@ def test_survivors_shut_down_without_waiting_out_the_dead_or_leaking_tasks(death
         assert "Task was destroyed but it is pending" not in death.outcome(rank).log, death.report()
 
 
-def test_worker_dying_on_another_host(two_hosts: tuple[tuple[str, str], ...], tmp_path: Path) -> None:
-    """The same death across the network: w0 (with the store) and w1 on one "host", w2 on
-    another (network namespaces, each with its own /dev/shm, so every link is a gRPC stream
-    over the veth pair). The dead process's kernel resets its connections: every wait on it
-    fails at once, as on one host."""
+@pytest.mark.parametrize("how", ["kill", "cut"])
+def test_worker_lost_on_another_host(
+    two_hosts: tuple[tuple[str, str], ...], tmp_path: Path, how: str
+) -> None:
+    """The same across the network: w0 (with the store) and w1 on one "host", w2 on another
+    (network namespaces, each with its own /dev/shm, so every link is a gRPC stream over the
+    veth pair). Killed, w2's kernel resets its connections; cut off (its host's link taken
+    down, nothing closes), heartbeats find it. Either way every wait on it fails within the
+    bound, and the survivors go on and shut down."""
     (host_a, addr_a), (host_b, _) = two_hosts
     launch = Launch(tmp_path, InitMethod("env", tmp_path, host=addr_a))
+    params = {"death": how, "cut": f"{host_a}v"}  # the veth end on w0's host (see _netns)
     for rank in range(3):
-        launch.start(ProcSpec("worker_death", rank, 3, host=host_a if rank < 2 else host_b))
+        launch.start(ProcSpec("worker_death", rank, 3, params, host=host_a if rank < 2 else host_b))
     run = launch.finish(180)
     report = run.value(0)
+    if how == "cut":
+        assert "heartbeat" in report["call_message"], report
     for wait in ("call", "to_here", "recv", "all_reduce", "backward"):
         assert report[f"{wait}_isinstance_unavailable"], report
         assert report[f"{wait}_failed_after"] < 30.0, report

@@ -25,7 +25,6 @@ from rpcdist import serialization
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
 from rpcdist.transport import Entries, frames, shm
-from rpcdist.transport.api import Write
 from rpcdist.transport.writer import FrameWriter
 
 if TYPE_CHECKING:
@@ -37,9 +36,9 @@ log = logging.getLogger(__name__)
 class InboundSession:
     """The callee's end of one caller's connection (a gRPC stream or a Unix socket)."""
 
-    def __init__(self, callee: Callee, write: Write) -> None:
+    def __init__(self, callee: Callee, writer: FrameWriter) -> None:
         self.callee = callee
-        self.writer = FrameWriter(write, "inbound")
+        self.writer = writer
         self.assemblies: dict[int, frames.Assembly] = {}
         self.running: dict[int, Any] = {}  # call_id -> asyncio.Task, asyncio.Future or _ThreadJob
         self.idle = asyncio.Event()
@@ -109,8 +108,8 @@ class Callee:
         # Requests that arrive before the group is known (None once it is).
         self._early: list[tuple[InboundSession, Any, Any]] | None = []
 
-    def new_session(self, write: Write) -> InboundSession:
-        return InboundSession(self, write)
+    def new_session(self, writer: FrameWriter) -> InboundSession:
+        return InboundSession(self, writer)
 
     def group_known(self) -> None:
         """Run the calls that arrived before the group was known, in arrival order."""

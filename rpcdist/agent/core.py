@@ -75,6 +75,8 @@ class Agent:
             self.callee.new_session,
             shm_threshold_bytes=options.shm_threshold_bytes,
             unix_sockets=options.transport != "grpc",
+            heartbeat_interval=options.heartbeat_interval,
+            heartbeat_misses=options.heartbeat_misses,
         )
 
     # ------------------------------------------------------------------ lifecycle

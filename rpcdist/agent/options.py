@@ -59,6 +59,12 @@ class RpcBackendOptions:
         listen_host: interface this worker serves on (default: loopback when the store is on
             loopback, else all interfaces).
         advertise_host: address peers use to reach this worker (default: derived).
+        heartbeat_interval: seconds a peer may stay silent on a link before it is sent a
+            heartbeat; one that answers none for ``heartbeat_interval * (heartbeat_misses + 1)``
+            seconds is declared dead and every wait on it fails with ``WorkerDiedError``
+            (a killed process is noticed at once, by its closed connection; heartbeats find
+            hosts that vanish and processes that hang). 0 turns heartbeats off.
+        heartbeat_misses: heartbeats a peer may leave unanswered (see ``heartbeat_interval``).
         device_maps, devices, _transports, _channels: torch TensorPipe fields, accepted for
             compatibility; only CPU tensors are supported, so device maps must be empty.
     """
@@ -77,6 +83,8 @@ class RpcBackendOptions:
     _transports: list[str] | None = None
     _channels: list[str] | None = None
     store_timeout: float = 300.0
+    heartbeat_interval: float = 1.0
+    heartbeat_misses: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +98,10 @@ class RpcBackendOptions:
             raise ValueError(f'transport must be "auto" or "grpc", not {self.transport!r}')
         if self.device_maps:
             raise ValueError("device_maps are not supported: rpcdist moves CPU tensors only")
+        if self.heartbeat_interval < 0:
+            raise ValueError(f"heartbeat_interval must be >= 0 seconds, got {self.heartbeat_interval}")
+        if self.heartbeat_misses < 1:
+            raise ValueError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """torch compatibility; CPU-only, so any non-empty map is refused."""

@@ -9,6 +9,10 @@ per peer and accepts the incoming ones, handing each to a *session* of its user 
   link's loss (the per-peer liveness signal: every pending exchange with that peer fails).
 - :class:`Session` — the user's callee side of one incoming connection.
 
+A peer that stops answering without closing (its host vanished, its link was cut, it hangs)
+is found by heartbeats: an empty frame on a link that has been quiet, answered by an empty
+frame on the same connection (see ``Transport``).
+
 Two carriers implement :class:`Link`: a gRPC bidirectional stream
 (:mod:`~rpcdist.transport.grpc_link`, works between any hosts) and a length-prefixed Unix
 socket (:mod:`~rpcdist.transport.unix_link`, between workers that share a host). Security
@@ -18,13 +22,15 @@ socket (:mod:`~rpcdist.transport.unix_link`, between workers that share a host).
 from __future__ import annotations
 
 import abc
+import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rpcdist.transport.writer import FrameWriter
 
-__all__ = ["Entries", "Link", "LinkHandler", "PeerAddress", "Session", "SessionFactory", "Write"]
+__all__ = ["Accept", "Entries", "Link", "LinkHandler", "PeerAddress", "Session", "SessionFactory", "Write"]
 
 Entries = Iterator[list[bytes | memoryview]]
 """One message, as a lazy sequence of frame entries (see ``frames.encode_message``)."""
@@ -66,8 +72,12 @@ class Session(Protocol):
         """The connection is gone: drop whatever is left."""
 
 
-SessionFactory = Callable[[Write], Session]
-"""Makes the session of a new incoming connection, given the function that writes to it."""
+SessionFactory = Callable[[FrameWriter], Session]
+"""Makes the user's session of a new incoming connection, given the writer of its replies."""
+
+Accept = Callable[[Write], Session]
+"""What a carrier's server calls for each incoming connection, with the function that writes
+to it (the transport's own session, which answers heartbeats and passes the rest on)."""
 
 
 class Link(abc.ABC):
@@ -75,6 +85,7 @@ class Link(abc.ABC):
     replies and the loss of the link go to the :class:`LinkHandler`."""
 
     writer: FrameWriter
+    reader: asyncio.Task[None]  # reports the loss (through the handler) when it ends
 
     def __init__(self, handler: LinkHandler, peer: PeerAddress, address: str) -> None:
         self.handler = handler
@@ -82,6 +93,13 @@ class Link(abc.ABC):
         self.address = address
         # Messages on this link still waiting for CHUNKs (filled by the handler's decoder).
         self.assemblies: dict[int, Any] = {}
+        self.last_heard = time.monotonic()  # when the peer last sent anything on this link
+        self.lost_reason = ""  # set when the link is given up on (no heartbeat answer)
+
+    def give_up(self, reason: str) -> None:
+        """The peer stopped answering: stop reading; the loss is reported with ``reason``."""
+        self.lost_reason = reason
+        self.reader.cancel()
 
     def send(self, entries: Entries) -> None:
         """Queue one message; it goes out in order, interleaved chunk by chunk with others."""

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import grpc
 
 from rpcdist.transport import shm
-from rpcdist.transport.api import Link, LinkHandler, PeerAddress, SessionFactory
+from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory, Write
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, GrpcLink, exchange_handler
 from rpcdist.transport.unix_link import UnixLink, serve_unix
+from rpcdist.transport.writer import FrameWriter
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,12 @@ class Transport(LinkHandler):
     ``make_session`` makes the session of each incoming connection. ``shm_threshold_bytes``
     (0: off) is the size from which buffers for co-located peers go through shared memory;
     ``unix_sockets=False`` keeps every peer on gRPC.
+
+    Heartbeats: a link the peer has been quiet on for ``heartbeat_interval`` seconds gets an
+    empty frame, which the peer answers on the same connection; a peer quiet for
+    ``heartbeat_interval * (heartbeat_misses + 1)`` seconds is given up on, and its loss is
+    reported as if its connection had closed. This finds peers that vanish without closing
+    (a host gone, a link cut, a hung process); 0 turns it off.
     """
 
     def __init__(
@@ -50,10 +58,18 @@ class Transport(LinkHandler):
         *,
         shm_threshold_bytes: int = 4 << 20,
         unix_sockets: bool = True,
+        heartbeat_interval: float = 1.0,
+        heartbeat_misses: int = 3,
     ) -> None:
         self.name = name
         self._handler = handler
         self._make_session = make_session
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_misses = heartbeat_misses
+        self._heartbeats: asyncio.Task[None] | None = None
+        # Peers given up on for silence: a new link to one gets a single heartbeat's grace,
+        # not the whole window again (until it answers on it).
+        self._unresponsive: set[int] = set()
         self.shm_threshold_bytes = shm_threshold_bytes
         self._unix_sockets = unix_sockets
         self.shm_probe = shm.create_probe() if shm_threshold_bytes > 0 else ""
@@ -72,17 +88,56 @@ class Transport(LinkHandler):
         """Serve incoming links on ``host`` (ephemeral gRPC port) and, when co-located peers
         can use it, a Unix socket; returns the gRPC port."""
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
-        self._server.add_generic_rpc_handlers((exchange_handler(self._make_session),))
+        self._server.add_generic_rpc_handlers((exchange_handler(self._accept),))
         self.port = self._server.add_insecure_port(f"{host}:0")
         await self._server.start()
         if self.shm_probe and self._unix_sockets:
             path = shm.socket_path()
             try:
-                self._unix_server = await serve_unix(path, self._make_session)
+                self._unix_server = await serve_unix(path, self._accept)
                 self.unix_path = path
             except OSError as exc:
                 log.info("no Unix-socket transport (%s); co-located peers use gRPC", exc)
+        if self.heartbeat_interval > 0:
+            self._heartbeats = asyncio.get_running_loop().create_task(
+                self._beat(), name=f"rpcdist-heartbeats-{self.name}"
+            )
         return self.port
+
+    def _accept(self, write: Write) -> Session:
+        """The session of an incoming connection: heartbeats answered here, the rest to the
+        user's session, both through one writer (so they never write at once)."""
+        return _AnsweringSession(self._make_session, write)
+
+    async def _beat(self) -> None:
+        """Send heartbeats on quiet links; give up on peers that stay silent too long."""
+        interval = self.heartbeat_interval
+        limit = interval * (self.heartbeat_misses + 1)
+        loop = asyncio.get_running_loop()
+        expected = loop.time() + interval
+        while True:
+            await asyncio.sleep(max(0.0, expected - loop.time()))
+            now = time.monotonic()
+            late = loop.time() - expected
+            expected = loop.time() + interval
+            links = list(self._links.values())
+            if late > interval:
+                # This process was stalled (not the peers): frames may be waiting unread.
+                # Give every peer a fresh window instead of blaming it.
+                for link in links:
+                    link.last_heard = max(link.last_heard, now)
+                continue
+            for link in links:
+                quiet = now - link.last_heard
+                if quiet >= limit:
+                    log.warning("%s: no answer from %s for %.1f s", self.name, link.peer.name, quiet)
+                    self._unresponsive.add(link.peer.rank)
+                    link.give_up(
+                        f"no answer to heartbeats for {quiet:.1f} s (interval {interval:g} s, "
+                        f"{self.heartbeat_misses} missed): its host or process stopped responding"
+                    )
+                elif quiet >= interval:
+                    link.writer.send_heartbeat()
 
     def card(self, advertise_host: str) -> dict[str, str]:
         """What peers need to reach this worker (published at rendezvous)."""
@@ -124,6 +179,8 @@ class Transport(LinkHandler):
                 link = UnixLink(self, peer, peer.unix_path)
             else:
                 link = GrpcLink(self, peer, peer.grpc_address)
+            if rank in self._unresponsive:  # one heartbeat's grace (see _beat)
+                link.last_heard -= self.heartbeat_interval * self.heartbeat_misses
             self._links[rank] = link
         return link
 
@@ -132,7 +189,10 @@ class Transport(LinkHandler):
         return self._links.get(rank)
 
     def on_frame(self, link: Link, raw: bytes) -> None:
-        self._handler.on_frame(link, raw)
+        link.last_heard = time.monotonic()
+        self._unresponsive.discard(link.peer.rank)
+        if raw:  # empty: an answer to a heartbeat
+            self._handler.on_frame(link, raw)
 
     def on_lost(self, link: Link, reason: str) -> None:
         if self._links.get(link.peer.rank) is link:
@@ -190,6 +250,9 @@ class Transport(LinkHandler):
         if self._closed:
             return
         self._closed = True
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            self._heartbeats = None
         for link in list(self._links.values()):
             await link.close(graceful)
         self._links.clear()
@@ -204,3 +267,26 @@ class Transport(LinkHandler):
             self._server = None  # its handlers refer back to the sessions' owner
         shm.remove([self.shm_probe])
         self.slots.close()
+
+
+class _AnsweringSession:
+    """The transport's side of an incoming connection: answers heartbeats, hands every other
+    frame to the user's session. Both write through the same :class:`FrameWriter`."""
+
+    __slots__ = ("session", "writer")
+
+    def __init__(self, make_session: SessionFactory, write: Write) -> None:
+        self.writer = FrameWriter(write, "inbound")
+        self.session = make_session(self.writer)
+
+    def on_frame(self, raw: bytes) -> None:
+        if raw:
+            self.session.on_frame(raw)
+        else:
+            self.writer.send_heartbeat()
+
+    async def finish(self) -> None:
+        await self.session.finish()
+
+    def cleanup(self) -> None:
+        self.session.cleanup()

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from rpcdist.transport.api import Link, LinkHandler, PeerAddress, SessionFactory
+from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.writer import FrameWriter
 
@@ -62,7 +62,7 @@ class GrpcLink(Link):
             log.exception("bad frame from %s", self.peer.name)
             reason = f"bad frame: {exc}"
         finally:
-            self.handler.on_lost(self, reason)
+            self.handler.on_lost(self, self.lost_reason or reason)
 
     async def close(self, graceful: bool) -> None:
         try:
@@ -78,11 +78,11 @@ class GrpcLink(Link):
             await self.channel.close(grace=None)
 
 
-def exchange_handler(make_session: SessionFactory) -> grpc.GenericRpcHandler:
-    """The gRPC handler that serves incoming Exchange streams through ``make_session``."""
+def exchange_handler(accept: Accept) -> grpc.GenericRpcHandler:
+    """The gRPC handler that serves incoming Exchange streams through ``accept``."""
 
     async def exchange(requests: Any, context: grpc.aio.ServicerContext) -> None:
-        await serve_grpc_stream(make_session, requests, context)
+        await serve_grpc_stream(accept, requests, context)
 
     return grpc.method_handlers_generic_handler(
         SERVICE,
@@ -95,12 +95,12 @@ def exchange_handler(make_session: SessionFactory) -> grpc.GenericRpcHandler:
 
 
 async def serve_grpc_stream(
-    make_session: SessionFactory,
+    accept: Accept,
     request_iterator: Any,
     context: grpc.aio.ServicerContext,
 ) -> None:
-    """Drive one incoming Exchange stream through a session of the agent."""
-    session = make_session(context.write)
+    """Drive one incoming Exchange stream through the session ``accept`` makes for it."""
+    session = accept(context.write)
     try:
         async for raw in request_iterator:
             try:

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory
+from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.grpc_link import GRPC_MESSAGE_LIMIT
 from rpcdist.transport.writer import FrameWriter
@@ -138,7 +138,7 @@ class UnixLink(Link):
         except Exception as exc:  # refused, or a malformed reply
             reason = f"{type(exc).__name__}: {exc}"
         finally:
-            self.handler.on_lost(self, reason)
+            self.handler.on_lost(self, self.lost_reason or reason)
 
     async def close(self, graceful: bool) -> None:
         try:
@@ -167,7 +167,7 @@ class UnixLink(Link):
                 self._connected.cancel()
 
 
-async def serve_unix(path: str, make_session: SessionFactory) -> asyncio.AbstractServer:
+async def serve_unix(path: str, accept: Accept) -> asyncio.AbstractServer:
     """Accept co-located callers on the Unix socket ``path``."""
     loop = asyncio.get_running_loop()
 
@@ -181,7 +181,7 @@ async def serve_unix(path: str, make_session: SessionFactory) -> asyncio.Abstrac
             loop.create_task(_finish(holder["session"], protocol))
 
         protocol = _FramedProtocol(on_frame, on_eof)
-        holder["session"] = make_session(protocol.write)
+        holder["session"] = accept(protocol.write)
         protocol.lost.add_done_callback(lambda _: holder["session"].cleanup())
         return protocol
 

@@ -35,15 +35,27 @@ class FrameWriter:
         self._messages: collections.deque[Entries] = collections.deque()
         self._wake = asyncio.Event()
         self._closed = False
+        self._heartbeat_due = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
 
     def send(self, entries: Entries) -> None:
         self._messages.append(entries)
         self._wake.set()
 
+    def send_heartbeat(self) -> None:
+        """Queue one empty frame (a heartbeat, or its answer): it goes out before the next
+        batch, so a long message ahead of it delays it by one frame at most."""
+        self._heartbeat_due = True
+        self._wake.set()
+
     async def _run(self) -> None:
         messages = self._messages
         while True:
+            if self._heartbeat_due:
+                self._heartbeat_due = False
+                if not await self._put(b""):  # the one frame that is empty
+                    return
+                continue
             if not messages:
                 if self._closed:
                     return
@@ -61,14 +73,19 @@ class FrameWriter:
                 size += sum(len(p) for p in entry)
                 if size >= MAX_FRAME_BYTES and len(messages) > 1:
                     messages.rotate(-1)  # a big message yields its turn after each chunk
-            if pieces:
-                try:
-                    await self._write(b"".join(pieces))
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, OSError) as exc:
-                    # The link is gone; its reader fails the calls that were waiting on it.
-                    log.debug("writer %s stopped: %s", self._task.get_name(), exc)
-                    messages.clear()
-                    return
+            if pieces and not await self._put(b"".join(pieces)):
+                return
+
+    async def _put(self, frame: bytes) -> bool:
+        """Write one frame; False once the link is gone (its reader fails the calls that were
+        waiting on it)."""
+        try:
+            await self._write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, OSError) as exc:
+            log.debug("writer %s stopped: %s", self._task.get_name(), exc)
+            self._messages.clear()
+            return False
+        return True
 
     async def close(self) -> None:
         """Flush what is queued, then stop."""
