@@ -15,19 +15,21 @@ rpcdist's errors too::
     ├── RendezvousError              joining the group failed
     │   └── MembershipError          (ValueError) duplicate name, bad rank, world-size mismatch
     ├── DistributedError             a collective failed (rpcdist.collectives) torch: DistBackendError
-    │   └── CollectiveTimeoutError   (TimeoutError) a peer's message did not arrive in time
+    │   ├── CollectiveTimeoutError   (TimeoutError) a peer's message did not arrive in time
+    │   └── PeerLostError            a peer the operation waited for is gone (also WorkerDiedError)
     └── RpcError                     a remote call failed
         ├── RpcTimeoutError          (TimeoutError) the call ran past its timeout
         ├── RemoteError              the remote function raised (type not rebuildable here)
         ├── WorkerUnavailableError   the peer is unknown, gone, or unreachable torch: DistNetworkError
-        │   └── UnknownWorkerError   (ValueError) no worker has that name/rank
+        │   ├── UnknownWorkerError   (ValueError) no worker has that name/rank
+        │   └── WorkerDiedError      its connection closed or it stopped answering heartbeats
         ├── PayloadTooLargeError     (ValueError) message above the configured maximum
         └── SerializationError       (TypeError) arguments/results that cannot be pickled
 
 ``DistError``, ``DistBackendError``, ``DistNetworkError``, ``DistStoreError`` and
 ``QueueEmptyError`` are torch's own classes, re-exported here (``rpcdist.DistError is
-torch.distributed.DistError``). ``DistributedError`` and ``CollectiveTimeoutError`` are defined
-with the process groups (``rpcdist.collectives.group``).
+torch.distributed.DistError``). ``DistributedError``, ``CollectiveTimeoutError`` and
+``PeerLostError`` are defined with the process groups (``rpcdist.collectives.group``).
 
 Exceptions raised by a remote function are re-raised at the caller with their own type when
 it can be rebuilt there; their ``remote_traceback`` attribute (and the message) carry the
