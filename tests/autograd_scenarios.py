@@ -653,8 +653,31 @@ async def _asyncio_checks() -> None:
         c.value = seen
 
 
+# ============================================================================ owner shutting down
+OWNER_EXIT_ROUNDS = 50
+
+
+def ag_owner_exits_first(rank: int, world_size: int, init_method: str, workdir: str, **_: Any) -> None:
+    """The shape of most parameter-server programs: the PS (w0) has nothing to drive and calls
+    ``shutdown()`` at once, while two trainers fetch its parameter RRefs and build
+    DistributedOptimizers over them, round after round. Its graceful shutdown must keep every
+    value a trainer is about to register for (the forks of its own RRefs in flight)."""
+    init(rank, world_size, init_method, rpc_timeout=CALL_TIMEOUT)
+    if rank == 0:
+        af.create_model("ps", 4, 3, 0)
+    else:
+        with check(f"owner_exits/optimizers/{rank}") as c:
+            start = time.monotonic()
+            for i in range(OWNER_EXIT_ROUNDS):
+                rrefs = rpc.rpc_sync("w0", af.param_rrefs, ("ps",), timeout=CALL_TIMEOUT)
+                opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.0)
+                assert len(opt.remote_optimizers) == 1, i
+            c.value = round(time.monotonic() - start, 2)
+    rpc.shutdown()
+
+
 # ============================================================================ registration
-SCENARIOS = ("ag_main", "ag_asyncio")
+SCENARIOS = ("ag_main", "ag_asyncio", "ag_owner_exits_first")
 
 
 def _register() -> None:

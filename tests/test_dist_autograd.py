@@ -155,3 +155,21 @@ def test_remote_then_local_value_on_the_owner_never_stalls(main: GroupRun) -> No
 @pytest.mark.parametrize("rank", [1, 2])
 def test_optimizers_built_by_several_trainers_at_once_never_stall(main: GroupRun, rank: int) -> None:
     main.check(f"stress/optimizers_from_trainers/{rank}", rank=rank)
+
+
+# ============================================================================ the owner leaves first
+@pytest.fixture(scope="module")
+def owner_exits(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return _launch(tmp_path_factory.mktemp("ag_owner_exits"), "ag_owner_exits_first", 3, timeout=150)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_optimizers_built_while_the_owner_shuts_down(owner_exits: GroupRun, rank: int) -> None:
+    """A parameter server that calls shutdown() at once still serves its trainers: its
+    graceful shutdown keeps the values whose RRefs it forked to them (this stalled for the
+    60 s timeout, then failed, before)."""
+    owner_exits.check(f"owner_exits/optimizers/{rank}", rank=rank)
+
+
+def test_owner_exits_first_clean_exit(owner_exits: GroupRun) -> None:
+    owner_exits.assert_clean_exit()

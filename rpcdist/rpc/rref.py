@@ -250,13 +250,19 @@ class RRefContext:
             pass
 
     def release_all_users(self) -> None:
-        """At shutdown: tell every owner this process holds no RRefs any more."""
+        """At shutdown: tell every owner this process holds no RRefs any more.
+
+        Forks still on their way (``pending_children``) keep their holds: this worker may be
+        the owner whose value a peer is about to register for (a parameter server that calls
+        ``shutdown()`` while its trainers start), and dropping the hold would free the value
+        under the receiver. The holds go as their receivers register, or with the context."""
         with self._lock:
+            forking = {child._id for child in self.pending_children.values()}
             held = [(rref_id, ref()) for rref_id, ref in self.users.items()]
             self.users.clear()
-            self.pending_children.clear()
         for rref_id, rref in held:
-            if rref is not None:
+            # A fork in flight tells its owner when its hold ends (the object's finalizer).
+            if rref is not None and rref_id not in forking:
                 rref._released = True
                 self._notify_deleted(rref_id)
 
