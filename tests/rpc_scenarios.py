@@ -1149,7 +1149,11 @@ def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
     import rpcdist.autograd as dist_autograd
 
     init(rank, world_size, init_method, **opts)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    # The group's messages take the same path as the calls (a co-located frozen peer's Unix
+    # socket stays open, and is not heartbeated: see the README).
+    path = options(init_method, **opts)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            pg_options=path)  # fmt: skip
     with_w2 = dist.new_group([0, 2])
     report: dict[str, Any] = {}
     if rank == 0:

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.timeout(240)
 
 TRANSPORTS = {"unix": {}, "grpc": {"transport": "grpc", "shm_threshold_bytes": 0}}
 # (transport, how w2 is lost): killed (its connections close) or frozen (SIGSTOP: they stay
-# open and nothing answers, as when a host vanishes; found by heartbeats, 1 s x (3 + 1)).
-RUNS = {"unix-kill": ("unix", "kill"), "grpc-kill": ("grpc", "kill"), "unix-freeze": ("unix", "freeze")}
+# open and nothing answers, as when a host vanishes; found by heartbeats on the gRPC path,
+# 1 s x (3 + 1); co-located peers' sockets need none).
+RUNS = {"unix-kill": ("unix", "kill"), "grpc-kill": ("grpc", "kill"), "grpc-freeze": ("grpc", "freeze")}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))

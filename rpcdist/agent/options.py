@@ -59,11 +59,12 @@ class RpcBackendOptions:
         listen_host: interface this worker serves on (default: loopback when the store is on
             loopback, else all interfaces).
         advertise_host: address peers use to reach this worker (default: derived).
-        heartbeat_interval: seconds a peer may stay silent on a link before it is sent a
+        heartbeat_interval: seconds a peer may stay silent on a gRPC link before it is sent a
             heartbeat; one that answers none for ``heartbeat_interval * (heartbeat_misses + 1)``
             seconds is declared dead and every wait on it fails with ``WorkerDiedError``
             (a killed process is noticed at once, by its closed connection; heartbeats find
-            hosts that vanish and processes that hang). 0 turns heartbeats off.
+            hosts that vanish, links that are cut and processes that hang on other hosts).
+            0 turns heartbeats off.
         heartbeat_misses: heartbeats a peer may leave unanswered (see ``heartbeat_interval``).
         device_maps, devices, _transports, _channels: torch TensorPipe fields, accepted for
             compatibility; only CPU tensors are supported, so device maps must be empty.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import os
@@ -155,9 +156,12 @@ async def init_process_group_async(
     rank: int = -1,
     store: Store | None = None,
     group_name: str = "",
+    pg_options: Any = None,
 ) -> None:
     """The awaitable form of :func:`init_process_group` (runs on the calling loop)."""
-    await _init(backend, init_method, timeout, world_size, rank, store, asyncio.get_running_loop(), False)
+    await _init(
+        backend, init_method, timeout, world_size, rank, store, asyncio.get_running_loop(), False, pg_options
+    )
     _run_hooks(_init_hooks)
 
 
@@ -176,11 +180,16 @@ def init_process_group(
 
     ``init_method``: ``env://`` (default; MASTER_ADDR/MASTER_PORT), ``tcp://host:port`` or
     ``file:///path``; or pass a ``store``. ``backend`` may be ``"grpc"`` or ``"gloo"``.
+    ``pg_options``: an :class:`~rpcdist.rpc.RpcBackendOptions` whose transport settings
+    (``transport``, ``shm_threshold_bytes``, heartbeats, hosts, chunk and payload sizes) the
+    group's messages use; its init method and timeouts come from the arguments here.
     """
     with _init_lock:
         loop = acquire_loop()
         try:
-            call_blocking(loop, _init(backend, init_method, timeout, world_size, rank, store, loop, True))
+            call_blocking(
+                loop, _init(backend, init_method, timeout, world_size, rank, store, loop, True, pg_options)
+            )
         except BaseException:
             release_loop(loop)
             raise
@@ -196,6 +205,7 @@ async def _init(
     store: Store | None,
     loop: asyncio.AbstractEventLoop,
     owns_loop: bool,
+    pg_options: Any = None,
 ) -> None:
     from rpcdist.collectives import group
 
@@ -208,8 +218,16 @@ async def _init(
         store, rank, world_size = await _registered_rendezvous(init_method, rank, world_size, timeout)
     rank, world_size = rdv.resolve_rank_and_size(rank, world_size if world_size > 0 else None)
     seconds = _seconds(timeout)
-    options = RpcBackendOptions(
-        init_method=init_method or "env://", rpc_timeout=0, store_timeout=min(seconds, 300)
+    if pg_options is not None and not isinstance(pg_options, RpcBackendOptions):
+        raise DistributedError(
+            f"pg_options must be rpcdist's RpcBackendOptions (its transport settings), not "
+            f"{type(pg_options).__name__}"
+        )
+    options = dataclasses.replace(
+        pg_options or RpcBackendOptions(),
+        init_method=init_method or "env://",
+        rpc_timeout=0,
+        store_timeout=min(seconds, 300),
     )
     if store is not None:
         meeting = rdv.Rendezvous(store, None, None)

@@ -10,8 +10,8 @@ per peer and accepts the incoming ones, handing each to a *session* of its user 
 - :class:`Session` — the user's callee side of one incoming connection.
 
 A peer that stops answering without closing (its host vanished, its link was cut, it hangs)
-is found by heartbeats: an empty frame on a link that has been quiet, answered by an empty
-frame on the same connection (see ``Transport``).
+is found by heartbeats on network links: an empty frame on a link that has been quiet,
+answered by an empty frame on the same connection (see ``Transport``).
 
 Two carriers implement :class:`Link`: a gRPC bidirectional stream
 (:mod:`~rpcdist.transport.grpc_link`, works between any hosts) and a length-prefixed Unix
@@ -86,6 +86,10 @@ class Link(abc.ABC):
 
     writer: FrameWriter
     reader: asyncio.Task[None]  # reports the loss (through the handler) when it ends
+    # Whether silence on this link can mean a lost peer. Not on a co-located peer's socket:
+    # the kernel closes it the moment the process dies, whereas a live peer's loop may be
+    # busy for seconds (a 1 GiB copy on a loaded host) and must not be declared dead for it.
+    heartbeats = True
 
     def __init__(self, handler: LinkHandler, peer: PeerAddress, address: str) -> None:
         self.handler = handler

@@ -43,11 +43,12 @@ class Transport(LinkHandler):
     (0: off) is the size from which buffers for co-located peers go through shared memory;
     ``unix_sockets=False`` keeps every peer on gRPC.
 
-    Heartbeats: a link the peer has been quiet on for ``heartbeat_interval`` seconds gets an
-    empty frame, which the peer answers on the same connection; a peer quiet for
-    ``heartbeat_interval * (heartbeat_misses + 1)`` seconds is given up on, and its loss is
-    reported as if its connection had closed. This finds peers that vanish without closing
-    (a host gone, a link cut, a hung process); 0 turns it off.
+    Heartbeats (gRPC links; a co-located peer's socket closes when it dies): a link the peer
+    has been quiet on for ``heartbeat_interval`` seconds gets an empty frame, which the peer
+    answers on the same connection; a peer quiet for ``heartbeat_interval * (heartbeat_misses
+    + 1)`` seconds is given up on, and its loss is reported as if its connection had closed.
+    This finds peers that vanish without closing (a host gone, a link cut, a hung process);
+    0 turns it off.
     """
 
     def __init__(
@@ -120,7 +121,7 @@ class Transport(LinkHandler):
             now = time.monotonic()
             late = loop.time() - expected
             expected = loop.time() + interval
-            links = list(self._links.values())
+            links = [link for link in self._links.values() if link.heartbeats]
             if late > interval:
                 # This process was stalled (not the peers): frames may be waiting unread.
                 # Give every peer a fresh window instead of blaming it.

@@ -90,7 +90,10 @@ class _FramedProtocol(asyncio.Protocol):
 
 
 class UnixLink(Link):
-    """Frames over a Unix-domain socket to a co-located peer."""
+    """Frames over a Unix-domain socket to a co-located peer (whose death closes it at once,
+    so it needs no heartbeats)."""
+
+    heartbeats = False
 
     def __init__(self, handler: LinkHandler, peer: PeerAddress, path: str) -> None:
         super().__init__(handler, peer, path)

@@ -91,7 +91,9 @@ class FrameWriter:
         """Flush what is queued, then stop."""
         self._closed = True
         self._wake.set()
-        await self._task
+        # wait(), not `await self._task`: a writer aborted meanwhile (its link was lost while
+        # another link closed) is done, and its cancellation must not cancel the close.
+        await asyncio.wait([self._task])
 
     def abort(self) -> None:
         self._task.cancel()
