@@ -64,6 +64,7 @@ class Agent:
         self.extension: CallExtension | None = None
         self.pool = WorkerPool(options.num_worker_threads, f"rpcdist-{info.name}")
         self.inbox = LoopInbox(loop)
+        self.dynamic = False  # a group workers join and leave (rpcdist.rpc.elastic)
         self.closing = False
         self._closed = False
         self._peer_lost_listeners: list[Callable[[WorkerInfo, str], None]] = []
@@ -108,6 +109,22 @@ class Agent:
             peers.append(Transport.peer_from_card(member.rank, member.name, member.card))
         self.transport.set_peers(peers)
         self.callee.group_known()
+
+    def add_member(self, member: Member) -> None:
+        """A worker joined the (dynamic) group: it can be called from now on."""
+        info = WorkerInfo(member.name, member.rank)
+        self.workers_by_rank[member.rank] = info
+        self.workers_by_name[member.name] = info
+        self.addresses[member.rank] = member.address
+        self.transport.set_peers([Transport.peer_from_card(member.rank, member.name, member.card)])
+
+    def remove_member(self, rank: int) -> None:
+        """A worker left the (dynamic) group: calls to it fail as to an unknown worker."""
+        info = self.workers_by_rank.pop(rank, None)
+        if info is not None and self.workers_by_name.get(info.name) == info:
+            del self.workers_by_name[info.name]
+        self.addresses.pop(rank, None)
+        self.transport.forget_peer(rank)
 
     async def wait_for_outstanding(self, timeout: float | None) -> None:
         """Wait until every call this worker made has completed (or ``timeout`` passes)."""
@@ -159,7 +176,8 @@ class Agent:
         if isinstance(to, int) and not isinstance(to, bool):
             info = self.workers_by_rank.get(to)
             if info is None:
-                raise UnknownWorkerError(f"no worker with rank {to}; ranks are 0..{self.world_size - 1}")
+                known = sorted(self.workers_by_rank) if self.dynamic else f"0..{self.world_size - 1}"
+                raise UnknownWorkerError(f"no worker with rank {to}; ranks are {known}")
             return info
         raise TypeError(f"`to` must be a worker name, rank or WorkerInfo, not {type(to).__name__}")
 

@@ -24,6 +24,7 @@ from rpcdist.rpc.api import (
     shutdown,
     shutdown_async,
 )
+from rpcdist.rpc.elastic import get_worker_infos, membership_change, on_membership_change
 from rpcdist.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from rpcdist.rpc.rref import RRef, debug_info
 
@@ -45,6 +46,9 @@ __all__ = [
     "functions",
     "get_all_worker_infos",
     "get_worker_info",
+    "get_worker_infos",
+    "membership_change",
+    "on_membership_change",
     "init_rpc",
     "init_rpc_async",
     "remote",

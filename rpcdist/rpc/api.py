@@ -31,7 +31,7 @@ from rpcdist.agent.options import (
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future
-from rpcdist.rpc import profiling
+from rpcdist.rpc import elastic, profiling
 from rpcdist.rpc import rref as rrefs
 from rpcdist.rpc.profiling import function_name, profiled, profiling_key
 from rpcdist.store import PrefixStore
@@ -77,11 +77,22 @@ async def init_rpc_async(
     if _agent is not None:
         raise RpcError(f"RPC is already initialized in this process (as {_agent.info.name})")
     options = rpc_backend_options or RpcBackendOptions()
-    rank, world_size = rdv.resolve_rank_and_size(rank, world_size)
+    dynamic = elastic.is_dynamic_request(world_size)
+    if dynamic:  # a group workers join and leave (see rpcdist.rpc.elastic)
+        rank = -1 if rank is None else rank
+    else:
+        rank, world_size = rdv.resolve_rank_and_size(rank, world_size)
     loop = asyncio.get_running_loop()
     timeout = options.store_timeout
-    meeting = await rdv.rendezvous(options.init_method, rank, world_size, timeout)
-    agent = Agent(WorkerInfo(name, rank), world_size, options, meeting, loop)
+    meeting = await rdv.rendezvous(options.init_method, rank, world_size or 1, timeout)
+    if dynamic:
+        try:
+            rank = await elastic.claim(PrefixStore(_STORE_PREFIX, meeting.store), name, rank)
+        except BaseException:
+            await meeting.close()
+            raise
+    agent = Agent(WorkerInfo(name, rank), world_size or 0, options, meeting, loop)
+    agent.dynamic = dynamic
     agent.extension = autograd_contexts.CALL_EXTENSION  # calls carry the autograd context
     autograd_contexts.set_worker_rank(rank)
     profiling.install()  # calls made under torch's profilers bring the callee's events back
@@ -98,15 +109,21 @@ async def init_rpc_async(
             listen if listen != "0.0.0.0" else rdv.local_address_towards(meeting.host or "8.8.8.8")
         )
         store = PrefixStore(_STORE_PREFIX, meeting.store)
-        members = await rdv.join_group(store, name, rank, world_size, agent.card(advertise), timeout)
-        agent.set_members(members)
+        if dynamic:
+            members = await elastic.enter(agent, store, agent.card(advertise), timeout)
+        else:
+            members = await rdv.join_group(store, name, rank, world_size, agent.card(advertise), timeout)
+            agent.set_members(members)
     except BaseException:
         _install(None)
         rrefs.detach()
         await agent.close(graceful=False)
         await meeting.close()
         raise
-    log.info("%s (rank %d of %d) serving on port %d", name, rank, world_size, port)
+    if dynamic:
+        log.info("%s (rank %d) joined a dynamic group, %d present; port %d", name, rank, len(members), port)
+    else:
+        log.info("%s (rank %d of %d) serving on port %d", name, rank, world_size, port)
 
 
 def _default_listen_host(store_host: str | None) -> str:
@@ -124,7 +141,10 @@ def init_rpc(
 ) -> None:
     """Join the group as ``name`` (blocking; the event loop runs in a background thread).
 
-    Returns once all ``world_size`` workers have joined.
+    Returns once all ``world_size`` workers have joined. With ``world_size=None`` (and no
+    WORLD_SIZE in the environment) it joins a *dynamic* group instead: it returns once every
+    member present knows it, and ``shutdown()`` leaves the group while the others go on (see
+    :mod:`rpcdist.rpc.elastic`; ``rank`` may then be omitted: a free one is drawn).
     """
     global _owns_loop
     with _lock:
@@ -157,7 +177,18 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
     dead: list[int] = []
     try:
-        if graceful:
+        if graceful and agent.dynamic:
+            # Leave the group; the others go on (no barrier with them).
+            await agent.wait_for_outstanding(remaining())
+            rrefs.release_all_users()
+            try:
+                await elastic.leave(agent, store, remaining())
+            except Exception as exc:
+                log.warning("%s: leaving the group failed: %s", agent.info.name, exc)
+            graceful_exit = False
+        else:
+            graceful_exit = graceful
+        if graceful_exit:
             rrefs.release_all_users()
             await agent.wait_for_outstanding(remaining())
             try:
@@ -169,7 +200,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
                 log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
         await agent.close(graceful)
         rrefs.detach()
-        if graceful:
+        if graceful_exit:
             # The worker hosting the store keeps serving it until every live worker has passed
             # the shutdown barrier (they are all on their way out: this takes moments).
             try:
@@ -188,6 +219,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         raise
     finally:
         _install(None)
+        elastic.reset()
         rrefs.detach()
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
@@ -296,9 +328,8 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def get_all_worker_infos() -> list[WorkerInfo]:
-    """Every worker of the group, by rank."""
-    agent = current_agent()
-    return [agent.workers_by_rank[r] for r in sorted(agent.workers_by_rank)]
+    """Every worker of the group, by rank (in a dynamic group: the members present now)."""
+    return elastic.get_worker_infos()
 
 
 def is_available() -> bool:

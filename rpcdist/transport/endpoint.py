@@ -163,6 +163,15 @@ class Transport(LinkHandler):
                 peer = PeerAddress(peer.rank, peer.name, peer.grpc_address, peer.unix_path, False)
             self.peers[peer.rank] = peer
 
+    def forget_peer(self, rank: int) -> None:
+        """``rank`` left: drop its address; its link (if any) is closed with the transport."""
+        self.peers.pop(rank, None)
+        self._unresponsive.discard(rank)
+        link = self._links.pop(rank, None)
+        if link is not None:
+            link.writer.abort()
+            self._lost.append(link)
+
     def is_colocated(self, rank: int) -> bool:
         """Whether ``rank`` shares this host's /dev/shm (so shared memory reaches it)."""
         peer = self.peers.get(rank)
