@@ -58,6 +58,42 @@ def two_hosts(tag: str) -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
+@contextlib.contextmanager
+def hosts(tag: str, count: int) -> Iterator[list[tuple[str, str, str]]]:
+    """``count`` network namespaces on one switch (a bridge in a namespace of its own):
+    [(name, address, the host's cable: its veth end on the switch side)]. Taking a cable down
+    (``ip -n <switch> link set <cable> down``) cuts that host off without closing anything.
+    Removed on exit."""
+    switch = f"rdS{tag}"
+    made = [(f"rd{i}{tag}", f"10.232.0.{i + 1}", f"rd{i}{tag}c") for i in range(count)]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    try:
+        ip("netns", "add", switch)
+        ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", switch, "link", "set", "br0", "up")
+        for name, address, cable in made:
+            ip("netns", "add", name)
+            ip("link", "add", "eth0", "netns", name, "type", "veth", "peer", "name", cable, "netns", switch)
+            ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
+            ip("-n", name, "link", "set", "eth0", "up")
+            ip("-n", name, "link", "set", "lo", "up")
+            ip("-n", switch, "link", "set", cable, "master", "br0")
+            ip("-n", switch, "link", "set", cable, "up")
+        yield made
+    finally:
+        for name, _, _ in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", switch], capture_output=True, timeout=30)
+
+
+def cut(tag: str, cable: str) -> None:
+    """Take a host's cable down on the switch of :func:`hosts` ``tag``."""
+    subprocess.run(["ip", "-n", f"rdS{tag}", "link", "set", cable, "down"], check=True, timeout=30)
+
+
 def enter(name: str) -> None:
     """Move this (single-threaded, freshly started) process onto host ``name``: its network
     namespace, and a mount namespace with an empty private ``/dev/shm``."""

@@ -1207,3 +1207,68 @@ def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
     rpc.shutdown()
     report["shutdown_seconds"] = time.monotonic() - start
     return report
+
+
+def worker_lost_everywhere(  # noqa: C901 - one scenario, every way to wait on a worker
+    rank: int, world_size: int, init_method: str, workdir: str, **opts: Any
+) -> dict[str, Any]:
+    """Every worker but the last waits on the last one in every way a worker can (a call in
+    flight, ``to_here``, a P2P recv, an all_reduce, a distributed backward pass), then the
+    test kills it or cuts its host off (markers in ``workdir``: ``waiting_<rank>`` when the
+    waits are under way, ``victim_pid``; the test writes ``fault_at``). Reports, for every
+    wait, how it ended and when (wall clock, comparable with ``fault_at``); then whether the
+    survivors still serve each other, and how long their shutdown took."""
+    import rpcdist as dist
+    import rpcdist.autograd as dist_autograd
+
+    marks = Path(workdir)
+    victim = world_size - 1
+    init(rank, world_size, init_method, **opts)
+    path = options(init_method, **opts)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            pg_options=path)  # fmt: skip
+    report: dict[str, Any] = {}
+    if rank == victim:
+        (marks / "victim_pid").write_text(str(os.getpid()))
+        time.sleep(300)  # killed long before
+        return report
+    name = f"w{victim}"
+    waits: dict[str, Callable[[], Any]] = {
+        "call": rpc.rpc_async(name, rf.sleep_blocking, (60.0,), timeout=120.0).wait,
+        "to_here": rpc.remote(name, rf.slow_ones, (60.0,), timeout=120.0).to_here_async(timeout=120.0).wait,
+        "recv": dist.irecv(torch.zeros(2), src=victim).wait,
+        "all_reduce": dist.all_reduce(torch.ones(2), async_op=True).wait,
+    }
+    backward_done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def backward() -> None:
+        try:
+            with dist_autograd.context() as context_id:
+                x = torch.ones(2, requires_grad=True)
+                y = rpc.rpc_sync(name, rf.slow_backward_identity, (x,), timeout=CALL_TIMEOUT)
+                dist_autograd.backward(context_id, [y.sum()])
+            backward_done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - reported
+            backward_done.set_exception(exc)
+
+    threading.Thread(target=backward, daemon=True).start()
+    waits["backward"] = lambda: backward_done.result(150)
+    time.sleep(1.0)  # the backward pass has reached the victim's sleeping function
+    (marks / f"waiting_{rank}").touch()
+    for what, wait in waits.items():
+        try:
+            wait()
+            report[what] = "returned"
+        except Exception as exc:  # noqa: BLE001 - reported
+            report[what] = type(exc).__name__
+            report[f"{what}_message"] = str(exc)
+            report[f"{what}_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
+        report[f"{what}_failed_at"] = time.time()
+    (marks / f"measured_{rank}").touch()
+    survivors = [r for r in range(world_size) if r != victim]
+    report["survivors_answer"] = [rpc.rpc_sync(f"w{r}", rf.whoami, timeout=CALL_TIMEOUT) for r in survivors]
+    dist.destroy_process_group()
+    start = time.monotonic()
+    rpc.shutdown()
+    report["shutdown_seconds"] = time.monotonic() - start
+    return report
