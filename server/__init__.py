@@ -3,11 +3,17 @@
 Usage::
 
     rpcdist-server --host 127.0.0.1 --port 29500 [--log-level INFO]
+    rpcdist-server --port 29500 --data-dir /var/lib/rpcdist   # keys survive a crash/restart
     python -m rpcdist.programs.server --port 0        # an ephemeral port
 
 When ready it prints ``rpcdist-server listening on HOST:PORT`` (the real port, also for
 ``--port 0``) on stdout. SIGTERM or SIGINT stops it gracefully, with exit status 0; an address
-that cannot be bound exits with status 1.
+that cannot be bound, or a data directory that is in use or corrupt, exits with status 1.
+
+Without ``--data-dir`` the keys live in memory only and nothing is written anywhere. With it,
+every change is logged in that directory and synced to disk before it is answered (concurrent
+writers share syncs), the log is compacted into a snapshot once it exceeds
+``--wal-max-bytes``, and a restart (even after ``kill -9``) recovers every acknowledged key.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from rpcdist.errors import StoreError
+from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES
 from rpcdist.store.service import StoreServer, format_address
 
 log = logging.getLogger("rpcdist.programs.server")
@@ -46,11 +53,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=2.0,
         help="seconds in-flight calls get to finish on shutdown (default: 2)",
     )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="keep the keys durable in this directory (created if needed; one server at a time): "
+        "every change is synced to disk before it is answered and recovered on restart. "
+        "Default: in memory only",
+    )
+    parser.add_argument(
+        "--wal-max-bytes",
+        type=_positive_int,
+        default=DEFAULT_WAL_MAX_BYTES,
+        help="with --data-dir: log size that triggers a snapshot and a fresh log "
+        f"(default: {DEFAULT_WAL_MAX_BYTES}, or the last snapshot's size if larger)",
+    )
     return parser.parse_args(argv)
 
 
-async def serve(host: str, port: int, grace: float) -> int:
-    """Run the store server until SIGTERM/SIGINT; returns the exit status."""
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, not {text}")
+    return value
+
+
+async def serve(
+    host: str,
+    port: int,
+    grace: float,
+    data_dir: str | None = None,
+    wal_max_bytes: int = DEFAULT_WAL_MAX_BYTES,
+) -> int:
+    """Run the store server until SIGTERM/SIGINT; returns the exit status.
+
+    With ``data_dir`` the keys are durable there (see :mod:`rpcdist.store.durable`).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,7 +96,10 @@ async def serve(host: str, port: int, grace: float) -> int:
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-POSIX
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
     try:
-        server = await StoreServer.start(host, port)
+        if data_dir is None:
+            server = await StoreServer.start(host, port)
+        else:
+            server = await StoreServer.start(host, port, data_dir=data_dir, wal_max_bytes=wal_max_bytes)
     except StoreError as exc:
         log.error("%s", exc)
         return 1
@@ -81,5 +121,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT before the handlers were installed
-        return asyncio.run(serve(args.host, args.port, args.grace))
+        return asyncio.run(serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes))
     return 0

@@ -9,8 +9,17 @@ deadline is set a little later so that nothing hangs if the server never answers
     value = store.get("x")
 
 Errors: keys not set in time raise StoreTimeoutError naming them; ``add`` on a non-integer
-raises StoreValueError; a server that cannot be reached within ``connect_timeout`` (or that
-goes away) raises StoreError saying so.
+raises StoreValueError; a server that cannot be reached within ``connect_timeout`` raises
+StoreConnectionError saying so.
+
+A server that goes away (restarted, or a connection that broke) is reconnected to, with
+backoff, and the operation retried: every operation is safe to retry (``add`` carries a
+request id that the server remembers, so a retried add is applied once and returns the first
+result). The wait for the server to come back is bounded by ``connect_timeout`` and by the
+operation's own limit (``timeout`` for ``get``/``wait``, the store's timeout for the others);
+once it passes the operation raises StoreConnectionError, never hanging. Caveats of a retry:
+``delete_key`` may then answer False for a key it deleted, and ``get``/``wait`` go on waiting
+for the time left.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -25,7 +35,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
+from rpcdist.errors import StoreConnectionError, StoreError, StoreTimeoutError, StoreValueError
 from rpcdist.store.api import DEFAULT_TIMEOUT, Store, to_seconds
 from rpcdist.store.memory import INT64_MAX, INT64_MIN
 from rpcdist.store.service import MAX_MESSAGE_BYTES, format_address
@@ -45,16 +55,21 @@ _CHANNEL_OPTIONS = [
     # default backoff that grows to two minutes.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+# Backoff between attempts of an operation whose connection broke (doubling up to the max).
+RETRY_BACKOFF = 0.05
+RETRY_BACKOFF_MAX = 1.0
 
 
 class GrpcStore(Store):
     """A client of the Store service at ``host:port``.
 
-    ``timeout`` is the default for ``get``/``wait`` (and bounds every other call);
-    ``connect_timeout`` bounds waiting for the server to accept a connection (default: the
-    same as ``timeout``, as torch's TCPStore client waits). Timeouts ``<= 0`` mean no limit.
+    ``timeout`` is the default for ``get``/``wait`` (and bounds every other call, retries
+    included); ``connect_timeout`` bounds waiting for the server to accept a connection, at the
+    start or after the connection broke (default: the same as ``timeout``, as torch's TCPStore
+    client waits). Timeouts ``<= 0`` mean no limit.
     """
 
     def __init__(
@@ -71,6 +86,11 @@ class GrpcStore(Store):
         self._target = format_address(host, self.port)
         self._channel: grpc.aio.Channel | None = None
         self._stub: store_pb2_grpc.StoreStub | None = None
+        # Request ids of adds: this client's random id, the next sequence number, and the
+        # sequence numbers still awaiting a reply (the lowest is sent along).
+        self._client_id = uuid.uuid4().bytes
+        self._next_seq = 1
+        self._adds_in_flight: set[int] = set()
 
     @property
     def address(self) -> str:
@@ -78,9 +98,9 @@ class GrpcStore(Store):
         return self._target
 
     # -- channel -------------------------------------------------------------------------------
-    async def _connected_stub(self, timeout: float | None = None) -> store_pb2_grpc.StoreStub:
-        """The stub, once the channel is connected (waits up to ``connect_timeout``, or the
-        operation's own ``timeout`` when that is shorter)."""
+    async def _connected_stub(self, limit: float | None) -> store_pb2_grpc.StoreStub:
+        """The stub, once the channel is connected; waits at most ``limit`` seconds (None: no
+        limit), else raises StoreConnectionError."""
         if self._closed:
             raise StoreError(f"this client of the store at {self._target} is closed")
         if self._channel is None or self._stub is None:
@@ -88,14 +108,11 @@ class GrpcStore(Store):
             self._stub = store_pb2_grpc.StoreStub(self._channel)
         channel = self._channel
         if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
-            limit = self.connect_timeout if 0 < self.connect_timeout < math.inf else None
-            if timeout is not None and 0 < timeout < math.inf:
-                limit = timeout + DEADLINE_SLACK if limit is None else min(limit, timeout + DEADLINE_SLACK)
             try:
                 await asyncio.wait_for(channel.channel_ready(), limit)
             except asyncio.TimeoutError:
-                raise StoreError(
-                    f"the store at {self._target} is unreachable (no connection within {limit:g} s)"
+                raise StoreConnectionError(
+                    f"the store at {self._target} is unreachable (no connection within {limit or 0:g} s)"
                 ) from None
         return self._stub
 
@@ -110,20 +127,71 @@ class GrpcStore(Store):
         keys: Sequence[str],
         timeout: float | None = None,
     ) -> Any:
-        """Send ``request`` to ``method_name``; ``timeout`` is the server-side wait (Get/Wait)."""
+        """Send ``request`` to ``method_name``, retrying it while the connection is broken.
+
+        ``timeout`` is the server-side wait of Get/Wait (the request's ``timeout_seconds``,
+        lowered on each retry by the time already spent); other calls are bounded by the
+        store's timeout. Waiting for a connection is bounded by ``connect_timeout`` too.
+        """
         size = request.ByteSize()
         if size > MAX_MESSAGE_BYTES:
             raise StoreValueError(
                 f"store request for key(s) {list(keys)!r} is {size} bytes, "
                 f"above the {MAX_MESSAGE_BYTES}-byte limit"
             )
-        stub = await self._connected_stub(timeout)
-        method: Callable[..., Awaitable[Any]] = getattr(stub, method_name)
-        deadline = self._deadline(self._timeout if timeout is None else timeout)
-        try:
-            return await method(request, timeout=deadline)
-        except grpc.aio.AioRpcError as exc:
-            raise self._translate(exc, method_name, keys, timeout) from exc
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        budget = self._timeout if timeout is None else timeout
+        op_end = start + budget if 0 < budget < math.inf else None
+        connect_limit = self.connect_timeout if 0 < self.connect_timeout < math.inf else None
+        outage_end: float | None = None  # when the current outage exceeds connect_timeout
+        backoff = RETRY_BACKOFF
+        attempt = 0
+        while True:
+            now = loop.time()
+            remaining = None if op_end is None else op_end - now
+            if remaining is not None and remaining <= 0 and attempt > 0:
+                raise self._gave_up(method_name, keys, timeout, now - start)
+            limits = [x for x in (remaining, connect_limit) if x is not None]
+            if outage_end is not None and outage_end < math.inf:
+                limits.append(max(0.0, outage_end - now))
+            stub = await self._connected_stub(min(limits) if limits else None)
+            if timeout is not None:
+                # Get/Wait: the server waits for what is left of the caller's timeout.
+                request.timeout_seconds = max(remaining, 1e-3) if remaining is not None else timeout
+            method: Callable[..., Awaitable[Any]] = getattr(stub, method_name)
+            left = budget if remaining is None else remaining
+            attempt += 1
+            try:
+                return await method(request, timeout=self._deadline(left))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise self._translate(exc, method_name, keys, timeout) from exc
+                now = loop.time()
+                if outage_end is None:
+                    outage_end = now + connect_limit if connect_limit is not None else math.inf
+                if now >= outage_end or (op_end is not None and now >= op_end):
+                    raise self._translate(exc, method_name, keys, timeout) from exc
+                log.debug(
+                    "%s on the store at %s failed (%s); retrying (attempt %d)",
+                    method_name,
+                    self._target,
+                    exc.details(),
+                    attempt + 1,
+                )
+            pause = backoff if op_end is None else min(backoff, max(0.0, op_end - loop.time()))
+            await asyncio.sleep(pause)
+            backoff = min(backoff * 2, RETRY_BACKOFF_MAX)
+
+    def _gave_up(
+        self, method_name: str, keys: Sequence[str], timeout: float | None, spent: float
+    ) -> StoreError:
+        """The error of an operation whose time ran out while its broken connection was being
+        retried (a connection error even for Get/Wait: whether the keys are set is unknown)."""
+        return StoreConnectionError(
+            f"{method_name} on key(s) {list(keys)!r}: the connection to the store at {self._target} "
+            f"broke and the store did not answer a retry within {spent:.3g} s"
+        )
 
     def _translate(
         self, exc: grpc.aio.AioRpcError, method_name: str, keys: Sequence[str], timeout: float | None
@@ -150,7 +218,7 @@ class GrpcStore(Store):
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             return StoreValueError(f"{method_name} on key(s) {list(keys)!r} rejected by {where}: {details}")
         if code is grpc.StatusCode.UNAVAILABLE:
-            return StoreError(f"{where} is unreachable ({method_name}: {details})")
+            return StoreConnectionError(f"{where} is unreachable ({method_name}: {details})")
         if code is grpc.StatusCode.CANCELLED:
             return StoreError(f"{method_name} on {where} was cancelled: {details}")
         return StoreError(f"{method_name} on {where} failed: {code.name}: {details}")
@@ -167,7 +235,21 @@ class GrpcStore(Store):
     async def _add(self, key: str, amount: int) -> int:
         if not INT64_MIN <= amount <= INT64_MAX:
             raise StoreValueError(f"cannot add {amount} to store key {key!r}: amount outside int64")
-        response = await self._call("Add", store_pb2.AddRequest(key=key, amount=amount), keys=[key])
+        seq = self._next_seq
+        self._next_seq += 1
+        self._adds_in_flight.add(seq)
+        try:
+            # Retries resend this same request: the server recognises the id and adds once.
+            request = store_pb2.AddRequest(
+                key=key,
+                amount=amount,
+                client_id=self._client_id,
+                request_seq=seq,
+                low_seq=min(self._adds_in_flight),
+            )
+            response = await self._call("Add", request, keys=[key])
+        finally:
+            self._adds_in_flight.discard(seq)
         return int(response.value)
 
     async def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:

@@ -8,6 +8,19 @@ parks a future on one missing key and is woken when that key is set.
 
 The pure helpers :func:`apply_add` and :func:`apply_compare_set` carry torch's semantics for
 ``add`` and ``compare_set`` over any ``dict[str, bytes]``; the file store reuses them.
+
+``add`` may carry a :class:`RequestId` (client id + sequence number): the state remembers the
+result of each identified add, so a client that retries an add whose reply it never received
+gets the original result back instead of adding twice. The memory this takes is bounded: a
+client tells, with each add, the lowest sequence number it still has in flight
+(:attr:`RequestId.low`), and every result below it is forgotten; at most
+:data:`MAX_REQUESTS_PER_CLIENT` results per client and :data:`MAX_CLIENTS` clients (least
+recently seen dropped first) are kept.
+
+Subclasses can make the state durable: every change calls :meth:`KeyValueState._journal` after
+it is applied, every change first asks :meth:`KeyValueState._writable`, and
+:meth:`KeyValueState.flushed` waits until what has been changed so far is safe
+(:class:`rpcdist.store.durable.DurableKeyValueState` logs to disk; here it returns at once).
 """
 
 from __future__ import annotations
@@ -16,16 +29,55 @@ import asyncio
 import logging
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rpcdist.errors import StoreTimeoutError, StoreValueError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KeyValueState", "apply_add", "apply_compare_set", "parse_counter", "timeout_error"]
+__all__ = [
+    "KeyValueState",
+    "RequestId",
+    "apply_add",
+    "apply_compare_set",
+    "parse_counter",
+    "timeout_error",
+    "MAX_CLIENTS",
+    "MAX_REQUESTS_PER_CLIENT",
+]
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+# Bounds of the table of remembered add results (see the module docstring).
+MAX_CLIENTS = 16384
+MAX_REQUESTS_PER_CLIENT = 4096
+CLIENT_ID_BYTES = 16
+
+
+@dataclass(frozen=True)
+class RequestId:
+    """Identifies one ``add`` of one client, so that a retry of it is recognised.
+
+    ``client`` is the client's random 16-byte id, ``seq`` the add's sequence number (unique per
+    client) and ``low`` the lowest sequence number the client still awaits a reply for (the
+    results of its adds below ``low`` may be forgotten).
+    """
+
+    client: bytes
+    seq: int
+    low: int
+
+    def __post_init__(self) -> None:
+        if len(self.client) != CLIENT_ID_BYTES:
+            raise StoreValueError(
+                f"a request's client id must be {CLIENT_ID_BYTES} bytes, not {len(self.client)}"
+            )
+        if not 0 <= self.low <= self.seq < 2**64:
+            raise StoreValueError(f"bad request sequence numbers: seq={self.seq} low={self.low}")
+
+
 _INTEGER = re.compile(rb"[+-]?[0-9]+")
 
 
@@ -93,32 +145,110 @@ class KeyValueState:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        # client id -> {seq: (key, result)}, least recently seen client first
+        self._requests: OrderedDict[bytes, dict[int, tuple[str, int]]] = OrderedDict()
 
     # -- mutations (atomic: they never suspend) ------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
         """Set ``key`` to ``value``, replacing any old value."""
-        self._data[key] = bytes(value)
+        self._writable()
+        value = bytes(value)
+        self._data[key] = value
+        self._journal("set", key, value)
         self._notify(key)
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, request: RequestId | None = None) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset); returns the new value.
 
-        Raises StoreValueError (nothing changed) if the value held is not an integer.
+        With a ``request`` id already seen, nothing is added and the first result is returned
+        (a retried add applies once). Raises StoreValueError (nothing changed) if the value
+        held is not an integer, or if ``request`` was first used for another key.
         """
+        if request is not None:
+            known = self._recall(request)
+            if known is not None:
+                first_key, result = known
+                if first_key != key:
+                    raise StoreValueError(
+                        f"add request {request.seq} of client {request.client.hex()} was first made "
+                        f"for key {first_key!r}, now for {key!r}"
+                    )
+                log.debug("add %d of client %s is a retry: %d", request.seq, request.client.hex(), result)
+                return result
+        self._writable()
         new = apply_add(self._data, key, amount)
+        if request is not None:
+            self._remember(request, key, new)
+        self._journal("add", key, self._data[key], request)
         self._notify(key)
         return new
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """torch's compare-and-set; see :func:`apply_compare_set`."""
+        self._writable()
         result, changed = apply_compare_set(self._data, key, bytes(expected), bytes(desired))
         if changed:
+            self._journal("set", key, result)
             self._notify(key)
         return result
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; returns whether it existed."""
-        return self._data.pop(key, None) is not None
+        self._writable()
+        if self._data.pop(key, None) is None:
+            return False
+        self._journal("delete", key)
+        return True
+
+    # -- durability hooks ----------------------------------------------------------------------
+    async def flushed(self) -> None:
+        """Return once every change made so far is safe (durable states: on disk).
+
+        Call it before answering anyone, so that no answer reveals a change that a crash could
+        still undo. In memory there is nothing to wait for.
+        """
+
+    async def close(self) -> None:
+        """Release what the state holds besides memory (durable states: their files)."""
+
+    def _writable(self) -> None:
+        """Raise instead of changing anything when changes can no longer be kept (hook)."""
+
+    def _journal(
+        self, op: str, key: str, value: bytes | None = None, request: RequestId | None = None
+    ) -> None:
+        """Called after each change is applied (hook): ``op`` is ``"set"`` (``key`` now holds
+        ``value``), ``"add"`` (likewise, made by the add ``request``) or ``"delete"``."""
+
+    # -- remembered add results ----------------------------------------------------------------
+    def _recall(self, request: RequestId) -> tuple[str, int] | None:
+        """The (key, result) of an add already made under ``request``; forgets the client's
+        results below ``request.low``."""
+        done = self._requests.get(request.client)
+        if done is None:
+            return None
+        self._requests.move_to_end(request.client)
+        for seq in [s for s in done if s < request.low]:
+            del done[seq]
+        return done.get(request.seq)
+
+    def _remember(self, request: RequestId, key: str, result: int) -> None:
+        done = self._requests.get(request.client)
+        if done is None:
+            done = self._requests[request.client] = {}
+            while len(self._requests) > MAX_CLIENTS:
+                self._requests.popitem(last=False)
+        else:
+            self._requests.move_to_end(request.client)
+        for seq in [s for s in done if s < request.low]:
+            del done[seq]
+        done[request.seq] = (key, result)
+        while len(done) > MAX_REQUESTS_PER_CLIENT:
+            del done[min(done)]
+
+    def requests(self) -> dict[bytes, dict[int, tuple[str, int]]]:
+        """A copy of the remembered add results: client id -> {seq: (key, result)}."""
+        return {client: dict(done) for client, done in self._requests.items()}
 
     # -- reads ---------------------------------------------------------------------------------
     def check(self, keys: Iterable[str]) -> bool:

@@ -9,12 +9,19 @@ failure) and the server goes on serving everyone else. Errors map to status code
 StoreTimeoutError          DEADLINE_EXCEEDED
 StoreValueError            FAILED_PRECONDITION
 undecodable request        INVALID_ARGUMENT
+the data log failed        INTERNAL
 =========================  ======================
+
+Every handler answers only after ``state.flushed()``: with a durable state (``data_dir``) a
+change is answered once it is on disk, and no answer reveals a change that is not. An ``Add``
+carrying a request id (``client_id``, ``request_seq``, ``low_seq``) is applied once however
+often it is retried (see :class:`~rpcdist.store.memory.RequestId`).
 
 :class:`StoreServer` runs the service in a ``grpc.aio`` server on the running loop, next to
 the standard gRPC health service::
 
-    server = await StoreServer.start("127.0.0.1", 0)
+    server = await StoreServer.start("127.0.0.1", 0)                    # in memory
+    server = await StoreServer.start("0.0.0.0", 29500, data_dir="/var/lib/rpcdist")  # durable
     print(server.port)
     ...
     await server.stop()
@@ -22,9 +29,11 @@ the standard gRPC health service::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
@@ -35,7 +44,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
-from rpcdist.store.memory import KeyValueState
+from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES, DurableKeyValueState
+from rpcdist.store.memory import CLIENT_ID_BYTES, KeyValueState, RequestId
 from rpcdist.v1 import store_pb2
 
 log = logging.getLogger(__name__)
@@ -89,13 +99,18 @@ class StoreServicer:
     # -- handlers (request: raw bytes) ---------------------------------------------------------
     async def Set(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.SetResponse:
         req = await self._parse(store_pb2.SetRequest, raw, context)
-        self.state.set(req.key, req.value)
+        try:
+            self.state.set(req.key, req.value)
+            await self.state.flushed()
+        except StoreError as exc:
+            await self._fail(exc, context)
         return store_pb2.SetResponse()
 
     async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.GetResponse:
         req = await self._parse(store_pb2.GetRequest, raw, context)
         try:
             value = await self.state.get(req.key, req.timeout_seconds)
+            await self.state.flushed()
         except StoreError as exc:
             await self._fail(exc, context)
         return store_pb2.GetResponse(value=value)
@@ -103,35 +118,65 @@ class StoreServicer:
     async def Add(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.AddResponse:
         req = await self._parse(store_pb2.AddRequest, raw, context)
         try:
-            value = self.state.add(req.key, req.amount)
+            request = None
+            if req.client_id:
+                if len(req.client_id) != CLIENT_ID_BYTES:
+                    await _abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"Add: client_id must be {CLIENT_ID_BYTES} bytes, not {len(req.client_id)}",
+                    )
+                request = RequestId(req.client_id, req.request_seq, req.low_seq)
+            value = self.state.add(req.key, req.amount, request)
+            await self.state.flushed()
         except StoreError as exc:
             await self._fail(exc, context)
         return store_pb2.AddResponse(value=value)
 
     async def CompareSet(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.CompareSetResponse:
         req = await self._parse(store_pb2.CompareSetRequest, raw, context)
-        value = self.state.compare_set(req.key, req.expected, req.desired)
+        try:
+            value = self.state.compare_set(req.key, req.expected, req.desired)
+            await self.state.flushed()
+        except StoreError as exc:
+            await self._fail(exc, context)
         return store_pb2.CompareSetResponse(value=value)
 
     async def Wait(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.WaitResponse:
         req = await self._parse(store_pb2.WaitRequest, raw, context)
         try:
             await self.state.wait(list(req.keys), req.timeout_seconds)
+            await self.state.flushed()
         except StoreError as exc:
             await self._fail(exc, context)
         return store_pb2.WaitResponse()
 
     async def Check(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.CheckResponse:
         req = await self._parse(store_pb2.CheckRequest, raw, context)
-        return store_pb2.CheckResponse(ready=self.state.check(req.keys))
+        try:
+            ready = self.state.check(req.keys)
+            await self.state.flushed()
+        except StoreError as exc:
+            await self._fail(exc, context)
+        return store_pb2.CheckResponse(ready=ready)
 
     async def DeleteKey(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.DeleteKeyResponse:
         req = await self._parse(store_pb2.DeleteKeyRequest, raw, context)
-        return store_pb2.DeleteKeyResponse(deleted=self.state.delete_key(req.key))
+        try:
+            deleted = self.state.delete_key(req.key)
+            await self.state.flushed()
+        except StoreError as exc:
+            await self._fail(exc, context)
+        return store_pb2.DeleteKeyResponse(deleted=deleted)
 
     async def NumKeys(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.NumKeysResponse:
         await self._parse(store_pb2.NumKeysRequest, raw, context)
-        return store_pb2.NumKeysResponse(count=self.state.num_keys())
+        try:
+            count = self.state.num_keys()
+            await self.state.flushed()
+        except StoreError as exc:
+            await self._fail(exc, context)
+        return store_pb2.NumKeysResponse(count=count)
 
     # -- registration --------------------------------------------------------------------------
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
@@ -190,12 +235,14 @@ class StoreServer:
         health: health_aio.HealthServicer,
         host: str,
         port: int,
+        owns_state: bool = False,
     ) -> None:
         self._server = server
         self.state = state
         self.health = health
         self.host = host
         self.port = port
+        self._owns_state = owns_state
         self._stopped = False
 
     @classmethod
@@ -206,13 +253,37 @@ class StoreServer:
         *,
         state: KeyValueState | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        data_dir: str | os.PathLike[str] | None = None,
+        wal_max_bytes: int | None = None,
     ) -> StoreServer:
         """Listen on ``host:port`` (0: an ephemeral port; see :attr:`port`) and serve.
 
+        With ``data_dir`` the keys are durable: every change is logged there and synced to disk
+        before it is answered, and what the directory holds is recovered first (see
+        :mod:`rpcdist.store.durable`; ``wal_max_bytes`` is the log size that triggers a
+        snapshot). Without it (and without ``state``) the keys live in memory only.
+
         Raises StoreError if the address cannot be bound (e.g. it is already in use: the
-        server never shares a port with another listener).
+        server never shares a port with another listener), if ``data_dir`` is in use by
+        another server, or if its files are corrupt (naming the file and offset).
         """
+        if data_dir is not None:
+            if state is not None:
+                raise ValueError("pass either state or data_dir, not both")
+            limit = DEFAULT_WAL_MAX_BYTES if wal_max_bytes is None else wal_max_bytes
+            durable = await asyncio.to_thread(DurableKeyValueState.open, data_dir, limit)
+            try:
+                return await cls._start(host, port, durable, max_message_bytes, owns_state=True)
+            except BaseException:
+                await durable.close()
+                raise
         state = state if state is not None else KeyValueState()
+        return await cls._start(host, port, state, max_message_bytes, owns_state=False)
+
+    @classmethod
+    async def _start(
+        cls, host: str, port: int, state: KeyValueState, max_message_bytes: int, owns_state: bool
+    ) -> StoreServer:
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
@@ -241,7 +312,7 @@ class StoreServer:
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("store server listening on %s", format_address(host, bound))
-        return cls(server, state, health, host, bound)
+        return cls(server, state, health, host, bound, owns_state)
 
     @property
     def address(self) -> str:
@@ -256,6 +327,8 @@ class StoreServer:
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._owns_state:
+            await self.state.close()
         log.info("store server on %s stopped", self.address)
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:

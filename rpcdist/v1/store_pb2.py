@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rpcdist/v1/store.proto\x12\nrpcdist.v1\"(\n\nSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\r\n\x0bSetResponse\"2\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"\x1c\n\x0bGetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\")\n\nAddRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61mount\x18\x02 \x01(\x03\"\x1c\n\x0b\x41\x64\x64Response\x12\r\n\x05value\x18\x01 \x01(\x03\"C\n\x11\x43ompareSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x0c\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x0c\"#\n\x12\x43ompareSetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"4\n\x0bWaitRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"\x0e\n\x0cWaitResponse\"\x1c\n\x0c\x43heckRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x1e\n\rCheckResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\"\x1f\n\x10\x44\x65leteKeyRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"$\n\x11\x44\x65leteKeyResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x10\n\x0eNumKeysRequest\" \n\x0fNumKeysResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x32\x83\x04\n\x05Store\x12\x36\n\x03Set\x12\x16.rpcdist.v1.SetRequest\x1a\x17.rpcdist.v1.SetResponse\x12\x36\n\x03Get\x12\x16.rpcdist.v1.GetRequest\x1a\x17.rpcdist.v1.GetResponse\x12\x36\n\x03\x41\x64\x64\x12\x16.rpcdist.v1.AddRequest\x1a\x17.rpcdist.v1.AddResponse\x12K\n\nCompareSet\x12\x1d.rpcdist.v1.CompareSetRequest\x1a\x1e.rpcdist.v1.CompareSetResponse\x12\x39\n\x04Wait\x12\x17.rpcdist.v1.WaitRequest\x1a\x18.rpcdist.v1.WaitResponse\x12<\n\x05\x43heck\x12\x18.rpcdist.v1.CheckRequest\x1a\x19.rpcdist.v1.CheckResponse\x12H\n\tDeleteKey\x12\x1c.rpcdist.v1.DeleteKeyRequest\x1a\x1d.rpcdist.v1.DeleteKeyResponse\x12\x42\n\x07NumKeys\x12\x1a.rpcdist.v1.NumKeysRequest\x1a\x1b.rpcdist.v1.NumKeysResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rpcdist/v1/store.proto\x12\nrpcdist.v1\"(\n\nSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"\r\n\x0bSetResponse\"2\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"\x1c\n\x0bGetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"b\n\nAddRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06\x61mount\x18\x02 \x01(\x03\x12\x11\n\tclient_id\x18\x03 \x01(\x0c\x12\x13\n\x0brequest_seq\x18\x04 \x01(\x04\x12\x0f\n\x07low_seq\x18\x05 \x01(\x04\"\x1c\n\x0b\x41\x64\x64Response\x12\r\n\x05value\x18\x01 \x01(\x03\"C\n\x11\x43ompareSetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x0c\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x0c\"#\n\x12\x43ompareSetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"4\n\x0bWaitRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\"\x0e\n\x0cWaitResponse\"\x1c\n\x0c\x43heckRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x1e\n\rCheckResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\"\x1f\n\x10\x44\x65leteKeyRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"$\n\x11\x44\x65leteKeyResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x10\n\x0eNumKeysRequest\" \n\x0fNumKeysResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x32\x83\x04\n\x05Store\x12\x36\n\x03Set\x12\x16.rpcdist.v1.SetRequest\x1a\x17.rpcdist.v1.SetResponse\x12\x36\n\x03Get\x12\x16.rpcdist.v1.GetRequest\x1a\x17.rpcdist.v1.GetResponse\x12\x36\n\x03\x41\x64\x64\x12\x16.rpcdist.v1.AddRequest\x1a\x17.rpcdist.v1.AddResponse\x12K\n\nCompareSet\x12\x1d.rpcdist.v1.CompareSetRequest\x1a\x1e.rpcdist.v1.CompareSetResponse\x12\x39\n\x04Wait\x12\x17.rpcdist.v1.WaitRequest\x1a\x18.rpcdist.v1.WaitResponse\x12<\n\x05\x43heck\x12\x18.rpcdist.v1.CheckRequest\x1a\x19.rpcdist.v1.CheckResponse\x12H\n\tDeleteKey\x12\x1c.rpcdist.v1.DeleteKeyRequest\x1a\x1d.rpcdist.v1.DeleteKeyResponse\x12\x42\n\x07NumKeys\x12\x1a.rpcdist.v1.NumKeysRequest\x1a\x1b.rpcdist.v1.NumKeysResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRESPONSE']._serialized_start=147
   _globals['_GETRESPONSE']._serialized_end=175
   _globals['_ADDREQUEST']._serialized_start=177
-  _globals['_ADDREQUEST']._serialized_end=218
-  _globals['_ADDRESPONSE']._serialized_start=220
-  _globals['_ADDRESPONSE']._serialized_end=248
-  _globals['_COMPARESETREQUEST']._serialized_start=250
-  _globals['_COMPARESETREQUEST']._serialized_end=317
-  _globals['_COMPARESETRESPONSE']._serialized_start=319
-  _globals['_COMPARESETRESPONSE']._serialized_end=354
-  _globals['_WAITREQUEST']._serialized_start=356
-  _globals['_WAITREQUEST']._serialized_end=408
-  _globals['_WAITRESPONSE']._serialized_start=410
-  _globals['_WAITRESPONSE']._serialized_end=424
-  _globals['_CHECKREQUEST']._serialized_start=426
-  _globals['_CHECKREQUEST']._serialized_end=454
-  _globals['_CHECKRESPONSE']._serialized_start=456
-  _globals['_CHECKRESPONSE']._serialized_end=486
-  _globals['_DELETEKEYREQUEST']._serialized_start=488
-  _globals['_DELETEKEYREQUEST']._serialized_end=519
-  _globals['_DELETEKEYRESPONSE']._serialized_start=521
-  _globals['_DELETEKEYRESPONSE']._serialized_end=557
-  _globals['_NUMKEYSREQUEST']._serialized_start=559
-  _globals['_NUMKEYSREQUEST']._serialized_end=575
-  _globals['_NUMKEYSRESPONSE']._serialized_start=577
-  _globals['_NUMKEYSRESPONSE']._serialized_end=609
-  _globals['_STORE']._serialized_start=612
-  _globals['_STORE']._serialized_end=1127
+  _globals['_ADDREQUEST']._serialized_end=275
+  _globals['_ADDRESPONSE']._serialized_start=277
+  _globals['_ADDRESPONSE']._serialized_end=305
+  _globals['_COMPARESETREQUEST']._serialized_start=307
+  _globals['_COMPARESETREQUEST']._serialized_end=374
+  _globals['_COMPARESETRESPONSE']._serialized_start=376
+  _globals['_COMPARESETRESPONSE']._serialized_end=411
+  _globals['_WAITREQUEST']._serialized_start=413
+  _globals['_WAITREQUEST']._serialized_end=465
+  _globals['_WAITRESPONSE']._serialized_start=467
+  _globals['_WAITRESPONSE']._serialized_end=481
+  _globals['_CHECKREQUEST']._serialized_start=483
+  _globals['_CHECKREQUEST']._serialized_end=511
+  _globals['_CHECKRESPONSE']._serialized_start=513
+  _globals['_CHECKRESPONSE']._serialized_end=543
+  _globals['_DELETEKEYREQUEST']._serialized_start=545
+  _globals['_DELETEKEYREQUEST']._serialized_end=576
+  _globals['_DELETEKEYRESPONSE']._serialized_start=578
+  _globals['_DELETEKEYRESPONSE']._serialized_end=614
+  _globals['_NUMKEYSREQUEST']._serialized_start=616
+  _globals['_NUMKEYSREQUEST']._serialized_end=632
+  _globals['_NUMKEYSRESPONSE']._serialized_start=634
+  _globals['_NUMKEYSRESPONSE']._serialized_end=666
+  _globals['_STORE']._serialized_start=669
+  _globals['_STORE']._serialized_end=1184
 # @@protoc_insertion_point(module_scope)

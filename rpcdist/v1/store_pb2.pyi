@@ -33,12 +33,18 @@ class GetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("key", "amount")
+    __slots__ = ("key", "amount", "client_id", "request_seq", "low_seq")
     KEY_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOW_SEQ_FIELD_NUMBER: _ClassVar[int]
     key: str
     amount: int
-    def __init__(self, key: _Optional[str] = ..., amount: _Optional[int] = ...) -> None: ...
+    client_id: bytes
+    request_seq: int
+    low_seq: int
+    def __init__(self, key: _Optional[str] = ..., amount: _Optional[int] = ..., client_id: _Optional[bytes] = ..., request_seq: _Optional[int] = ..., low_seq: _Optional[int] = ...) -> None: ...
 
 class AddResponse(_message.Message):
     __slots__ = ("value",)

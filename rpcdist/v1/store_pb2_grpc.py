@@ -95,6 +95,7 @@ class StoreServicer:
 
     def Add(self, request, context):
         """Atomically add amount to the integer held by key (0 when absent); returns the new value.
+        With a request id, a retry of the same add returns the first result and adds nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
