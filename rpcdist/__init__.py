@@ -13,6 +13,7 @@
 from torch.distributed import GradBucket
 
 from rpcdist import constants, errors, futures, rendezvous
+from rpcdist._launch_env import is_launched
 from rpcdist.collectives import api as _c10d
 from rpcdist.collectives import torch_backend as _torch_backend
 from rpcdist.collectives.api import *  # noqa: F403 - the c10d namespace, as torch.distributed
@@ -63,6 +64,7 @@ __all__ = [
     "StoreTimeoutError",
     "errors",
     "futures",
+    "is_launched",  # started by rpcdist-run, torchrun or srun
     # torch.distributed names: stores, errors, constants, rendezvous
     "TCPStore",
     "TorchStore",

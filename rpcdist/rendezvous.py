@@ -2,9 +2,11 @@
 
 Three init methods, as torch users know them:
 
-- ``env://`` reads ``MASTER_ADDR``/``MASTER_PORT``; rank 0 embeds the gRPC store service in
+- ``env://`` reads ``MASTER_ADDR``/``MASTER_PORT`` (under Slurm's ``srun``, when unset: the
+  first host of ``SLURM_JOB_NODELIST`` and port 29500); rank 0 embeds the gRPC store service in
   its own process unless something already serves that address (a standalone
-  ``rpcdist-server``), in which case it uses that one like everybody else.
+  ``rpcdist-server``), in which case it uses that one like everybody else. Under ``rpcdist-run``
+  (``RPCDIST_AGENT_STORE=1``) the launcher serves it and rank 0 only connects.
 - ``tcp://host:port``: the same with the address in the URL.
 - ``file:///path``: a file-backed store on a (shared) filesystem.
 
@@ -33,6 +35,7 @@ from urllib.parse import unquote, urlparse
 
 import grpc
 
+from rpcdist import _launch_env
 from rpcdist.errors import MembershipError, RendezvousError, StoreError, StoreTimeoutError
 from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
 from rpcdist.store.service import SERVICE_NAME as STORE_SERVICE
@@ -96,11 +99,13 @@ def _env(name: str, init_method: str) -> str:
 
 
 def resolve_rank_and_size(rank: int, world_size: int | None) -> tuple[int, int]:
-    """Fill ``rank``/``world_size`` from RANK/WORLD_SIZE when not given, and check them."""
+    """Fill ``rank``/``world_size`` from RANK/WORLD_SIZE (or, under Slurm's srun, from
+    SLURM_PROCID/SLURM_NTASKS) when not given, and check them."""
+    env_rank, env_size = _launch_env.launch_rank_and_size()
     if rank is None or rank < 0:
-        rank = int(os.environ.get("RANK", "-1"))
+        rank = env_rank if env_rank is not None else -1
     if world_size is None or world_size < 0:
-        world_size = int(os.environ.get("WORLD_SIZE", "-1"))
+        world_size = env_size if env_size is not None else -1
     if world_size is None or world_size < 1:
         raise MembershipError(f"world_size must be >= 1 (got {world_size}); pass it or set WORLD_SIZE")
     if not 0 <= rank < world_size:
@@ -117,8 +122,9 @@ async def rendezvous(init_method: str, rank: int, world_size: int, timeout: floa
             raise RendezvousError(f"file:// init_method needs a path: {init_method!r}")
         return Rendezvous(FileStore(path, world_size=world_size, timeout=timeout), None, None)
     if url.scheme == "env":
-        host = _env("MASTER_ADDR", init_method)
-        port_text = _env("MASTER_PORT", init_method)
+        host, port_text = _launch_env.master_address()  # MASTER_ADDR/PORT, or Slurm's
+        host = host or _env("MASTER_ADDR", init_method)
+        port_text = port_text or _env("MASTER_PORT", init_method)
     elif url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise RendezvousError(f"tcp:// init_method needs host and port: {init_method!r}")
@@ -138,7 +144,7 @@ async def rendezvous(init_method: str, rank: int, world_size: int, timeout: floa
         )
         return Rendezvous(agent_store, None, host)
     server = None
-    if rank == 0:
+    if rank == 0 and not (url.scheme == "env" and _launch_env.launcher_serves_store()):
         server = await _serve_unless_served(host, port)
     return Rendezvous(GrpcStore(host, port, timeout=timeout), server, host)
 

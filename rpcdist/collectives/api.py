@@ -35,6 +35,7 @@ from urllib.parse import urlparse, urlunparse
 import torch
 from torch.distributed import DebugLevel
 
+from rpcdist import _launch_env
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, current_loop, release_loop
 from rpcdist.agent import Agent, RpcBackendOptions, WorkerInfo
@@ -1259,10 +1260,13 @@ def is_torchelastic_launched() -> bool:
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
-    """This process's rank on its machine: ``LOCAL_RANK`` (set by torchrun), else
-    ``fallback_rank``; RuntimeError if neither is there."""
+    """This process's rank on its machine: ``LOCAL_RANK`` (set by torchrun and rpcdist-run),
+    else ``SLURM_LOCALID`` under Slurm's srun, else ``fallback_rank``; RuntimeError if none
+    is there."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
+    if (slurm_local := _launch_env.local_rank()) is not None:
+        return slurm_local
     if fallback_rank is not None:
         return int(fallback_rank)
     raise RuntimeError(

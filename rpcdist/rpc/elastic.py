@@ -28,11 +28,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rpcdist import _launch_env
 from rpcdist.agent import Agent, WorkerInfo, current_agent
 from rpcdist.agent.markers import inline
 from rpcdist.errors import MembershipError, RendezvousError, RpcError, StoreError
@@ -61,8 +61,8 @@ _waiters: list[asyncio.Future[MembershipChange]] = []
 
 def is_dynamic_request(world_size: int | None) -> bool:
     """Whether ``init_rpc(..., world_size=world_size)`` asks for a dynamic group: no size
-    given, and none in the environment (WORLD_SIZE, or Slurm's SLURM_NTASKS)."""
-    return world_size is None and not os.environ.get("WORLD_SIZE") and not os.environ.get("SLURM_NTASKS")
+    given, and none from a launcher (WORLD_SIZE; or Slurm's, under ``srun``)."""
+    return world_size is None and _launch_env.launch_rank_and_size()[1] is None
 
 
 # ============================================================================ joining
