@@ -97,6 +97,15 @@ def release_loop(loop: asyncio.AbstractEventLoop) -> None:
     thread.stop()
 
 
+def stray_cancellation() -> bool:
+    """Call in ``except asyncio.CancelledError``: whether the cancellation came from an awaited
+    operation that someone else cancelled (a link's task stopped when its peer left, a call on
+    a channel being closed), not from a cancellation of the running task itself — which a
+    clean-up path may then treat as that operation's failure instead of giving up."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 def current_loop() -> asyncio.AbstractEventLoop | None:
     """The loop running in this thread, if any."""
     try:

@@ -37,7 +37,7 @@ from torch.distributed import DebugLevel
 
 from rpcdist import _launch_env
 from rpcdist import rendezvous as rdv
-from rpcdist._runtime import acquire_loop, call_blocking, current_loop, release_loop
+from rpcdist._runtime import acquire_loop, call_blocking, current_loop, release_loop, stray_cancellation
 from rpcdist.agent import Agent, RpcBackendOptions, WorkerInfo
 from rpcdist.collectives import algorithms as algo
 from rpcdist.collectives.group import (
@@ -313,6 +313,10 @@ async def destroy_process_group_async() -> None:
             )
         except Exception as exc:
             log.warning("rank %d: destroy barrier failed: %s", state.rank, exc)
+        except asyncio.CancelledError:
+            if not stray_cancellation():
+                raise
+            log.warning("rank %d: destroy barrier: a store call was cancelled", state.rank)
         await state.agent.wait_for_outstanding(30.0)
         await state.agent.close(graceful=True)
         state.slots.close()
@@ -323,6 +327,10 @@ async def destroy_process_group_async() -> None:
                 await rdv.wait_checked_in(store, "destroy-exit", live, 30.0)
             except Exception as exc:
                 log.warning("rank %d: exit barrier failed: %s", state.rank, exc)
+            except asyncio.CancelledError:
+                if not stray_cancellation():
+                    raise
+                log.warning("rank %d: exit barrier: a store call was cancelled", state.rank)
         else:
             try:
                 await rdv.check_in(store, "destroy-exit", state.rank)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rpcdist import rendezvous as rdv
-from rpcdist._runtime import acquire_loop, call_blocking, release_loop
+from rpcdist._runtime import acquire_loop, call_blocking, release_loop, stray_cancellation
 from rpcdist.agent import Agent, current_agent, set_current_agent
 from rpcdist.agent.options import (
     DEFAULT_INIT_METHOD,
@@ -198,6 +198,10 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
                 )
             except Exception as exc:  # out of time, or the store is gone: still close below
                 log.warning("%s: shutdown barrier failed: %s", agent.info.name, exc)
+            except asyncio.CancelledError:
+                if not stray_cancellation():
+                    raise
+                log.warning("%s: shutdown barrier: a store call was cancelled", agent.info.name)
         await agent.close(graceful)
         rrefs.detach()
         if graceful_exit:
@@ -212,6 +216,10 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
                     await asyncio.wait_for(rdv.check_in(store, "exit", agent.info.id), 10.0)
             except Exception as exc:
                 log.warning("%s: exit barrier failed: %s", agent.info.name, exc)
+            except asyncio.CancelledError:
+                if not stray_cancellation():
+                    raise
+                log.warning("%s: exit barrier: a store call was cancelled", agent.info.name)
         await agent.rendezvous.close()
     except BaseException:
         # Cancelled or failed half-way: close everything anyway, so nothing stays serving.

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from rpcdist._runtime import stray_cancellation
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.writer import FrameWriter
@@ -72,6 +73,9 @@ class GrpcLink(Link):
                 await asyncio.wait_for(asyncio.shield(self.reader), 5.0)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
+        except asyncio.CancelledError:
+            if not stray_cancellation():  # the reader was stopped meanwhile: nothing to wait for
+                raise
         finally:
             self.writer.abort()
             self.reader.cancel()

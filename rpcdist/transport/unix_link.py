@@ -13,6 +13,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from rpcdist._runtime import stray_cancellation
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.grpc_link import GRPC_MESSAGE_LIMIT
@@ -155,6 +156,9 @@ class UnixLink(Link):
                 await asyncio.wait_for(self._eof.wait(), 5.0)  # the callee finished our calls
         except (asyncio.TimeoutError, OSError, RuntimeError):
             pass  # RuntimeError: uvloop's word for a transport closed under us
+        except asyncio.CancelledError:
+            if not stray_cancellation():  # the connection attempt was stopped meanwhile
+                raise
         finally:
             self.writer.abort()
             self.reader.cancel()
