@@ -19,6 +19,9 @@ What differs from torch's (all CPU-only or TorchScript matters, or torch's own o
   return the RemoteModule itself (torch's return a copy of the remote module and ignore ``mode``).
 - A RemoteModule received over RPC or made by ``init_from_module_rref`` is a complete
   ``nn.Module`` (``rm(x)`` works, not only ``rm.forward(x)``); ``repr()`` describes it.
+  As with torch, a received one's ``__dict__`` holds just the pickled attributes plus its
+  ``forward_async`` and ``forward`` methods (``nn.Module``'s empty internals are read-only
+  class defaults; its methods hold it weakly, so dropping it frees its RRef at once).
 - A ``module_cls`` that is a class but not an ``nn.Module`` subclass is refused at
   construction; other failures of building the module (a callable returning something else,
   a constructor raising) are raised, with the remote traceback, by the first call that needs
@@ -28,6 +31,8 @@ What differs from torch's (all CPU-only or TorchScript matters, or torch's own o
 from __future__ import annotations
 
 import logging
+import types
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeVar
 
@@ -439,9 +444,63 @@ class RemoteModule(_RemoteModule):
         super().__init__(remote_device, module_cls, args, kwargs)
 
 
+# ============================================================================ received over RPC
+def _empty_like(value: Any) -> Any:
+    """A read-only empty stand-in for one of ``nn.Module``'s internal containers."""
+    if isinstance(value, Mapping):
+        return types.MappingProxyType({})
+    if isinstance(value, (set, frozenset)):
+        return frozenset()
+    return value
+
+
+# ``nn.Module.__init__``'s instance state (hooks, parameters, submodules: all empty), as class
+# defaults: a received RemoteModule, whose ``__dict__`` holds only what was sent (as torch's),
+# still runs ``nn.Module.__call__``. Read-only, so nothing can add to the shared empties.
+_MODULE_INTERNALS = {
+    name: _empty_like(value) for name, value in vars(nn.Module()).items() if name != "training"
+}
+for _name, _value in _MODULE_INTERNALS.items():
+    setattr(_RemoteModule, _name, _value)
+del _name, _value
+
+# Methods a received RemoteModule carries in its ``__dict__``, as torch's installs its generated ones.
+_RECEIVED_METHODS = ("forward_async", "forward")
+
+
+class _ReceivedMethod:
+    """``forward_async``/``forward`` of a RemoteModule received over RPC, kept in its
+    ``__dict__``. It refers to the module weakly: no reference cycle, so the module (and its
+    RRef) is freed as soon as it is dropped."""
+
+    def __init__(self, module: _RemoteModule, name: str) -> None:
+        self._module = weakref.ref(module)
+        self._function: Callable[..., Any] = getattr(type(module), name)
+        self.__name__ = name
+        self.__doc__ = self._function.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None:
+            raise RuntimeError(f"the RemoteModule of this {self.__name__} method was freed")
+        return self._function(module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Sent over RPC as the same method of the (sent) module, as a bound method is."""
+        module = self._module()
+        if module is None:
+            raise RuntimeError(f"the RemoteModule of this {self.__name__} method was freed")
+        return (getattr, (module, self.__name__))
+
+    def __repr__(self) -> str:
+        return f"<method {self.__name__} of {self._module()!r}>"
+
+
 def _remote_module_receiver(cls: type[_RemoteModule], state: dict[str, Any]) -> _RemoteModule:
-    """Rebuild a RemoteModule received over RPC (its ``module_rref`` is already rebuilt)."""
+    """Rebuild a RemoteModule received over RPC (its ``module_rref`` is already rebuilt): the
+    sent attributes, in their order, then its methods, as torch's receiver."""
     remote_module = cls.__new__(cls)
-    nn.Module.__init__(remote_module)
     remote_module.__dict__.update(state)
+    for name in _RECEIVED_METHODS:
+        remote_module.__dict__[name] = _ReceivedMethod(remote_module, name)
     return remote_module
