@@ -98,8 +98,18 @@ def profiled(key: Callable[[], str], start: Callable[[], Future[Any]]) -> Future
     except BaseException:
         record.__exit__(None, None, None)
         raise
-    record._call_end_callbacks_on_future(future)  # the event ends when the call does
-    return future
+    # The event ends when the call does, in a callback on the thread that completes it. The
+    # caller sees the call complete only after that, or a profile it closes right after the
+    # call (a callee profiling a nested call) would miss the event.
+    ended = record._call_end_callbacks_on_future(future)
+    result: Future[Any] = Future(loop=getattr(future, "_loop_hint", None))
+
+    def finished(_: Any) -> None:
+        error = future.exception()
+        result._try_complete(None if error is not None else future.value(), error)
+
+    ended.add_done_callback(finished)
+    return result
 
 
 # ============================================================================ the callee's events
