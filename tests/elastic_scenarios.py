@@ -10,6 +10,8 @@ Roles (one process each, started in stages by the test; markers are files in ``w
   DistributedOptimizer, before, during and after trainer2's stay.
 - ``trainer2`` (joins later, twice: leaves, then a new process with the same name rejoins):
   calls the PS and trainer1, takes a training step, leaves.
+- ``victim`` joins and dies (kill -9): the survivors take it off the group; a new process
+  then joins under its name.
 
 ``_harness`` looks scenarios up on ``rpc_scenarios``; importing this module registers them.
 """
@@ -126,7 +128,27 @@ def elastic(  # noqa: C901 - one scenario, every role
         with check("elastic/sees_the_rejoin"):
             wait_until(lambda: (marks / "trainer2_rejoined_and_left").exists(), SERVE_TIMEOUT, "the rejoin")
             assert _names() == {"ps", "trainer1"}, _names()
+        (marks / "victim_may_join").touch()
+        with check("elastic/a_dead_member_is_taken_off"):
+            wait_until(lambda: (marks / "victim_joined").exists(), SERVE_TIMEOUT, "the victim to join")
+            wait_until(lambda: "victim" not in _names(), 30, "the dead victim to be taken off")
+            assert _names() == {"ps", "trainer1"}, _names()
+        (marks / "victim_may_rejoin").touch()
+        with check("elastic/a_dead_members_name_is_free_again"):
+            wait_until(lambda: (marks / "victim_again_done").exists(), SERVE_TIMEOUT, "the successor")
         rpc.rpc_sync("ps", rf.release, timeout=CALL_TIMEOUT)
+    elif role in ("victim", "victim_again"):  # joins, then dies (kill -9); its successor rejoins
+        rpc.init_rpc("victim", world_size=None, rpc_backend_options=opts)
+        if role == "victim":
+            (marks / "victim_joined").touch()
+            rf.die_in(0.0)
+            time.sleep(60)
+        with check("elastic/victim_again_joined"):
+            assert _names() == {"ps", "trainer1", "victim"}, _names()
+            assert rpc.rpc_sync("trainer1", rf.whoami, timeout=CALL_TIMEOUT) == "trainer1"
+        rpc.shutdown()
+        (marks / "victim_again_done").touch()
+        return report
     else:  # trainer2, first or second life
         second = role == "trainer2_again"
         rpc.init_rpc("trainer2", world_size=None, rpc_backend_options=opts)

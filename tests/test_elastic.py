@@ -53,6 +53,11 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
     launch.wait([first], 90)
     _wait_for(workdir / "trainer2_may_rejoin", launch, 90)
     start("trainer2_again", 3)
+    _wait_for(workdir / "victim_may_join", launch, 90)
+    victim = start("victim", 4)
+    launch.wait([victim], 60)
+    _wait_for(workdir / "victim_may_rejoin", launch, 90)
+    start("victim_again", 5)
     return launch.finish(150)
 
 
@@ -72,14 +77,27 @@ def test_a_name_can_rejoin_after_it_left(group: GroupRun) -> None:
     group.check("elastic/sees_the_rejoin", label="trainer1")
 
 
+def test_a_member_that_dies_is_taken_off_and_its_name_freed(group: GroupRun) -> None:
+    """kill -9 says nothing: the survivors notice its lost link, find it dead, take it off the
+    roster, free its name and announce that it left; a successor joins under the same name."""
+    group.check("elastic/a_dead_member_is_taken_off", label="trainer1")
+    group.check("elastic/victim_again_joined", label="victim_again")
+    group.check("elastic/a_dead_members_name_is_free_again", label="trainer1")
+    assert group.outcome(label="victim").exitcode == -9
+
+
 def test_listeners_hear_every_join_and_leave_in_order(group: GroupRun) -> None:
     events = [tuple(e) for e in group.value(label="ps")["events"]]
-    assert events[:5] == [
+    assert events[:9] == [
         ("joined", "trainer1"),
         ("joined", "trainer2"),
         ("left", "trainer2"),
         ("joined", "trainer2"),
         ("left", "trainer2"),
+        ("joined", "victim"),
+        ("left", "victim"),
+        ("joined", "victim"),
+        ("left", "victim"),
     ], events
 
 
@@ -88,5 +106,9 @@ def test_ranks_are_drawn_and_never_shared(group: GroupRun) -> None:
     assert 0 not in ranks and len(set(ranks)) == 3, ranks
 
 
-def test_everyone_leaves_cleanly(group: GroupRun) -> None:
-    group.assert_clean_exit()
+def test_everyone_else_leaves_cleanly(group: GroupRun) -> None:
+    for label in ("ps", "trainer1", "trainer2", "trainer2_again", "victim_again"):
+        out = group.outcome(label=label)
+        assert out.exitcode == 0 and not out.killed, group.report()
+        assert not out.result["left_initialized"], group.report()
+        assert not [t for t in out.result["threads"] if t.startswith("rpcdist")], group.report()

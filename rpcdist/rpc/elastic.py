@@ -56,6 +56,7 @@ MembershipChange = tuple[str, WorkerInfo]
 """``("joined" | "left", the worker's WorkerInfo)``."""
 
 _listeners: list[Callable[[str, WorkerInfo], Any]] = []
+_queues: dict[Any, list[MembershipChange]] = {}  # per listener: the change it is hearing, then the rest
 _waiters: list[asyncio.Future[MembershipChange]] = []
 
 
@@ -124,6 +125,7 @@ async def enter(agent: Agent, store: Store, card: dict[str, str], timeout: float
     others = [_member(r, e) for r, e in before.items() if int(r) != me.id]
     members = [*others, Member(me.name, me.id, card)]
     agent.set_members(members)
+    agent.on_peer_lost(lambda peer, _reason: agent.loop.create_task(_prune_if_dead(agent, store, peer)))
     news = (me.name, me.id, card)
     told = [
         agent.submit(m.rank, _member_joined, news, None, timeout, function_name="rpcdist.joined")
@@ -190,12 +192,34 @@ def _without(roster: dict[str, Any], ranks: set[str]) -> dict[str, Any]:
     return {r: e for r, e in roster.items() if r not in ranks}
 
 
+async def _prune_if_dead(agent: Agent, store: Store, peer: WorkerInfo) -> None:
+    """The link to ``peer`` was lost: if it no longer answers (it died; it did not leave, or
+    it would have said so), take it off the roster, free its name and rank for a successor,
+    and announce that it left. Every survivor may do this; it is idempotent."""
+    if agent.closing or peer.id not in agent.workers_by_rank:
+        return  # it left properly, or this worker is on its way out
+    try:
+        if not await agent.find_dead([peer.id]):
+            return
+        await _change_roster(store, lambda roster: _without(roster, {str(peer.id)}))
+        for key, held in ((f"name/{peer.name}", str(peer.id)), (f"rank/{peer.id}", peer.name)):
+            if await store.check_async([key]) and await store.get_async(key) == held.encode():
+                await store.delete_key_async(key)
+    except Exception as exc:  # noqa: BLE001 - the store host may be gone too; still announce it
+        log.debug("%s: could not take dead %s off the roster: %s", agent.info.name, peer.name, exc)
+    if peer.id in agent.workers_by_rank and not agent.closing:
+        log.warning("%s: %s died; it is no longer a member", agent.info.name, peer.name)
+        agent.remove_member(peer.id)
+        _announce(agent, LEFT, peer)
+
+
 # ============================================================================ the messages
 @inline
 def _member_joined(name: str, rank: int, card: dict[str, str]) -> None:
     """On every member: ``name`` (``rank``) joined; it can be called now."""
     agent = current_agent()
     agent.add_member(Member(name, rank, card))
+    agent.watch(rank)  # a link of our own to it, so that its death is noticed (see _prune_if_dead)
     _announce(agent, JOINED, WorkerInfo(name, rank))
 
 
@@ -212,14 +236,31 @@ def _member_left(rank: int) -> None:
 
 def _announce(agent: Agent, event: str, info: WorkerInfo) -> None:
     """Hand a change to the waiters and listeners (``async def`` listeners run on the loop,
-    others on the thread pool, so none can stall the loop)."""
+    others on the thread pool, so none can stall the loop; each listener hears its events one
+    at a time, in order)."""
     for waiter in _waiters:
         if not waiter.done():
             waiter.set_result((event, info))
     _waiters.clear()
     for listener in list(_listeners):
-        done = agent.start_user_function(listener, (event, info), {})
-        done.add_done_callback(_log_listener_failure)
+        queue = _queues.setdefault(listener, [])
+        queue.append((event, info))
+        if len(queue) == 1:  # idle: start it; otherwise the running one starts the next
+            _run_next(agent, listener)
+
+
+def _run_next(agent: Agent, listener: Callable[[str, WorkerInfo], Any]) -> None:
+    queue = _queues.get(listener)
+    if not queue:
+        return
+    done = agent.start_user_function(listener, queue[0], {})
+
+    def finished(done: asyncio.Future[Any]) -> None:
+        _log_listener_failure(done)
+        queue.pop(0)
+        _run_next(agent, listener)
+
+    done.add_done_callback(finished)
 
 
 def _log_listener_failure(done: asyncio.Future[Any]) -> None:
@@ -271,4 +312,5 @@ def reset() -> None:
             )
     _waiters.clear()
     _listeners.clear()
+    _queues.clear()
 
