@@ -662,10 +662,10 @@ def ag_owner_exits_first(rank: int, world_size: int, init_method: str, workdir: 
     ``shutdown()`` at once, while two trainers fetch its parameter RRefs and build
     DistributedOptimizers over them, round after round. Its graceful shutdown must keep every
     value a trainer is about to register for (the forks of its own RRefs in flight)."""
-    init(rank, world_size, init_method, rpc_timeout=CALL_TIMEOUT)
     if rank == 0:
-        af.create_model("ps", 4, 3, 0)
-    else:
+        af.create_model("ps", 4, 3, 0)  # before joining: the trainers call at once
+    init(rank, world_size, init_method, rpc_timeout=CALL_TIMEOUT)
+    if rank != 0:
         with check(f"owner_exits/optimizers/{rank}") as c:
             start = time.monotonic()
             for i in range(OWNER_EXIT_ROUNDS):
