@@ -9,6 +9,7 @@ with dist_autograd.context() as context_id:
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -41,15 +42,19 @@ def _agent() -> Agent:
 def _context(context_id: int) -> _contexts.DistAutogradContext:
     context = _contexts.lookup(context_id)
     if context is None:
-        raise RpcError(f"no distributed autograd context {context_id} on this worker")
+        # torch's wording (tests match it)
+        raise RpcError(f"Could not find autograd context with id: {context_id} (none on this worker)")
     return context
 
 
 @contextlib.contextmanager
 def context() -> Iterator[int]:
     """A distributed autograd context; yields its id. On exit it is released on every worker
-    that took part (also after an error)."""
+    that took part (also after an error). Contexts do not nest: opening one inside another
+    (on the same thread) raises, as in torch."""
     _agent()  # RPC must be up
+    if _contexts.current_id() is not None:
+        raise RpcError(f"Already have an autograd context id for this thread: {_contexts.current_id()}")
     ctx = _contexts.create()
     try:
         with _contexts.entered(ctx.id):
@@ -86,21 +91,76 @@ def _release(context_id: int) -> None:
             log.debug("cannot cascade release of %s to rank %s: %s", context_id, rank, exc)
 
 
+def _check_args(context_id: object, roots: object) -> None:
+    """torch's argument checks of ``backward`` (pybind's TypeError wording for wrong types)."""
+    if not isinstance(context_id, int) or isinstance(context_id, bool) or not isinstance(roots, Sequence):
+        raise TypeError(
+            "backward(): incompatible function arguments. The following argument types are supported: "
+            "(context_id: int, roots: List[torch.Tensor], retain_graph: bool = False); got "
+            f"({type(context_id).__name__}, {type(roots).__name__})"
+        )
+
+
 def _roots(roots: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The roots and their seed gradients, checked as torch checks them (torch's wording)."""
     roots = list(roots)
+    if not roots:
+        raise RpcError("No tensors provided for gradient computation.")
     for root in roots:
-        if not isinstance(root, torch.Tensor) or not root.requires_grad:
-            raise RpcError("backward roots must be tensors that require grad")
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"backward roots must be tensors, got {type(root).__name__}")
+        if not root.requires_grad:
+            raise RpcError("requires_grad not set on root (backward roots must require grad)")
+        if root.numel() != 1:
+            raise RpcError(
+                f"Tensors provided as roots should be scalars, found a tensor of size {tuple(root.shape)}, "
+                "which is not a scalar, all roots need to be scalar"
+            )
+        if root.grad_fn is None:
+            raise RpcError("Root tensor does not have a valid gradient function (it is a leaf)")
     return roots, [torch.ones_like(r) for r in roots]
+
+
+def _node_error(agent: Agent, exc: Exception) -> RuntimeError:
+    """The error of a failed backward pass, as torch reports it: ``Error on Node <rank>: ...``
+    (the rank of the worker where it was raised): a copy of a RuntimeError (its type kept),
+    else a RuntimeError chained to the original, keeping its remote attributes and notes."""
+    node = agent.info.id
+    worker = getattr(exc, "remote_worker", None)
+    if worker is not None:
+        with contextlib.suppress(Exception):
+            node = agent.worker(worker).id
+    message = f"Error on Node {node}: {exc}"
+    if isinstance(exc, RuntimeError):
+        # Keep its type (every rpcdist error is a RuntimeError): `except WorkerDiedError`
+        # still catches a backward pass that reached a dead worker.
+        try:
+            same = copy.copy(exc)
+            same.args = (message,)
+            if str(same) == message:
+                return same
+        except Exception:  # noqa: BLE001 - an exception type that cannot be copied
+            pass
+    error = RuntimeError(message)
+    for attribute in ("remote_worker", "remote_function", "remote_traceback"):
+        if hasattr(exc, attribute):
+            setattr(error, attribute, getattr(exc, attribute))
+    for note in getattr(exc, "__notes__", ()):
+        error.add_note(note)
+    return error
 
 
 async def backward_async(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
     """Awaitable form of :func:`backward`."""
+    _check_args(context_id, roots)
     context = _context(context_id)
     outputs, grads = _roots(roots)
     agent = _agent()
     with _contexts.entered(None):  # the passes it starts are not calls made in the context
-        await run_on(agent.loop, local_pass(agent, context, outputs, grads, root=True))
+        try:
+            await run_on(agent.loop, local_pass(agent, context, outputs, grads, root=True))
+        except Exception as exc:
+            raise _node_error(agent, exc) from exc
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -111,6 +171,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     again (``retain_graph=True`` in torch) accumulates once more.
     """
     agent = _agent()
+    _check_args(context_id, roots)
     context = _context(context_id)
     outputs, grads = _roots(roots)
     if current_loop() is agent.loop:
@@ -120,9 +181,12 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         )
     # This thread may block: the local graph runs here (no hop to the loop and a pool thread
     # and back); the loop only carries the gradients that go to other workers.
-    with _contexts.entered(None):  # the passes it starts are not calls made in the context
-        passes = local_pass_here(agent, context, outputs, grads)
-    wait_all(passes)
+    try:
+        with _contexts.entered(None):  # the passes it starts are not calls made in the context
+            passes = local_pass_here(agent, context, outputs, grads)
+        wait_all(passes)
+    except Exception as exc:
+        raise _node_error(agent, exc) from exc
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

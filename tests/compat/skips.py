@@ -12,10 +12,16 @@ How each category is applied (``launcher.generate_tests``):
   ``rpcdist.nn.api.remote_module._refuse_torchscript``; whatever it asserted before that point
   must hold (e.g. ``test_forward_async`` checks the Python RemoteModule first), and any other
   error fails it.
-* every other category: the test is not started.
+* every other category (``TORCHSCRIPT_FUNCTION`` too: a ``@torch.jit.script`` function sent
+  over RPC runs through torch's C++ TorchScript RPC path): the test is not started.
 
 ``test_substitution.py`` checks that every entry names an existing test of a suite in
 ``suites.SUITES`` and has one of these categories.
+
+:data:`KNOWN_FAILURES`, kept apart from the reviewed list, is not a skip list: it names public
+behaviours rpcdist does not implement yet. Those tests run as torch wrote them and are
+reported as xfail (``strict=False``: one that starts passing is reported XPASS, not failed);
+each reason starts with "not yet implemented: ".
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ TORCHSCRIPT = "TorchScript"  # scripted RemoteModules, torch.jit functions over 
 CUDA = "CUDA"  # CUDA tensors, device maps
 TENSORPIPE = "TensorPipe"  # TensorPipe-only options (transports, channels)
 TORCH_PRIVATE = "torch-private"  # torch's `_`-prefixed agent hooks and internal counters
+TORCHSCRIPT_FUNCTION = "TorchScript-function"  # @torch.jit.script functions called over RPC
+FAULTY_AGENT = "faulty-agent"  # fault injection of torch's (TensorPipe-internal) faulty agent
 
-CATEGORIES = frozenset({TORCHSCRIPT, CUDA, TENSORPIPE, TORCH_PRIVATE})
+CATEGORIES = frozenset({TORCHSCRIPT, CUDA, TENSORPIPE, TORCH_PRIVATE, TORCHSCRIPT_FUNCTION, FAULTY_AGENT})
 
 
 class Skip(NamedTuple):
@@ -41,6 +49,46 @@ _SCRIPTED_REMOTE_MODULE = (
     "a TorchScript RemoteModule (_RemoteModule(..., _module_interface_cls=...) and torch.jit.script "
     "of it) needs torch's C++ RRef and TorchScript RPC"
 )
+
+_GRAPH = (
+    "inspects torch's per-worker autograd graph through dist_autograd._current_context() / "
+    "_retrieve_context() (its send/recv functions, known worker ids): private internals"
+)
+_CLEANUP = (
+    "checks that a context is gone on every worker by polling the private "
+    "dist_autograd._retrieve_context(id) until it raises"
+)
+_SET_TIMEOUT = "sets the default timeout through the private rpc._set_rpc_timeout()"
+_JIT_CALL = "calls a @torch.jit.script function over RPC (torch's C++ TorchScript RPC path)"
+
+
+def _autograd_skips(suite: str, suffix: str) -> dict[str, Skip]:
+    """The entries shared by DistAutogradTest and its sparse twins (``suffix`` "_sparse")."""
+    entries = {
+        **{
+            f"test_graph_for_{kind}{suffix}": Skip(TORCH_PRIVATE, _GRAPH)
+            for kind in (
+                "builtin_call",
+                "python_call",
+                "builtin_remote_call",
+                "python_remote_call",
+                "py_nested_call",
+                "py_nested_remote_call",
+                "py_nested_call_itself",
+                "py_nested_remote_call_itself",
+            )
+        },
+        f"test_no_graph_with_tensors_not_require_grad{suffix}": Skip(TORCH_PRIVATE, _GRAPH),
+        f"test_no_graph_with_tensors_not_require_grad_remote{suffix}": Skip(TORCH_PRIVATE, _GRAPH),
+        f"test_rpc_complex_args{suffix}": Skip(TORCH_PRIVATE, _GRAPH),
+        f"test_remote_complex_args{suffix}": Skip(TORCH_PRIVATE, _GRAPH),
+        f"test_context_cleanup_tensor_with_grad{suffix}": Skip(TORCH_PRIVATE, _CLEANUP),
+        f"test_context_cleanup_tensor_no_grad{suffix}": Skip(TORCH_PRIVATE, _CLEANUP),
+        f"test_context_cleanup_nested_rpc{suffix}": Skip(TORCH_PRIVATE, _CLEANUP),
+        f"test_backward_simple_script_call{suffix}": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+    }
+    return {f"{suite}.{test}": skip for test, skip in entries.items()}
+
 
 SKIPS: dict[str, Skip] = {
     # --- torch/testing/_internal/distributed/nn/api/remote_module_test.py
@@ -58,4 +106,102 @@ SKIPS: dict[str, Skip] = {
     "ThreeWorkersRemoteModuleTest.test_send_remote_module_over_the_wire_script_not_supported": Skip(
         TORCHSCRIPT, _SCRIPTED_REMOTE_MODULE
     ),
+    # --- torch/testing/_internal/distributed/rpc/dist_autograd_test.py
+    **_autograd_skips("DistAutogradTest", ""),
+    **_autograd_skips("TensorPipeAgentDistAutogradTest", "_sparse"),
+    "DistAutogradTest.test_autograd_context": Skip(
+        TORCH_PRIVATE, "reads dist_autograd._get_max_id() and dist_autograd._retrieve_context(id)"
+    ),
+    "DistAutogradTest.test_context_cleanup_no_tensors": Skip(TORCH_PRIVATE, _CLEANUP),
+    "DistAutogradTest.test_worker_ids_recorded": Skip(
+        TORCH_PRIVATE, "reads _current_context()._known_worker_ids(), a private counter"
+    ),
+    "DistAutogradTest.test_debug_info": Skip(
+        TORCH_PRIVATE, "reads the internal counters of dist_autograd._get_debug_info()"
+    ),
+    "DistAutogradTest.test_clean_context_during_backward": Skip(
+        TORCH_PRIVATE, "makes contexts with the private dist_autograd._new_context()/_release_context()"
+    ),
+    "DistAutogradTest.test_backward_node_failure": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
+    "DistAutogradTest.test_backward_node_failure_python_udf": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
+    "DistAutogradTest.test_trainer_ps_torchscript_functions": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+}
+
+
+KNOWN_FAILURE_PREFIX = "not yet implemented: "
+
+
+class KnownFailure(NamedTuple):
+    """A test that fails today: why (starts with :data:`KNOWN_FAILURE_PREFIX`), and, for one
+    that hangs, how many seconds torch's machinery waits for its workers (torch's
+    ``TIMEOUT_OVERRIDE``, by method name) instead of the default."""
+
+    reason: str
+    timeout: int | None = None
+
+
+_GRAD_STEALING = (
+    KNOWN_FAILURE_PREFIX + "torch's gradient stealing: the first gradient accumulated in a "
+    "context is the autograd buffer itself (same data_ptr), rpcdist stores a copy"
+)
+_SPARSE = (
+    KNOWN_FAILURE_PREFIX + "sparse tensors in distributed autograd: a sparse COO tensor sent over "
+    "RPC inside a context is not recorded as a send/recv pair (it arrives without requires_grad, "
+    "so backward refuses the root; seen in test_backward_simple_sparse)"
+)
+_HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetching its stack)
+
+# "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
+KNOWN_FAILURES: dict[str, KnownFailure] = {
+    # --- torch/testing/_internal/distributed/rpc/dist_autograd_test.py
+    "DistAutogradTest.test_async_dist_autograd": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "40 threads of 2 workers each running rpc_sync + backward on worker0 "
+        "deadlock (not yet diagnosed; likely worker0's pool threads all waiting in backward passes)",
+        _HANG_TIMEOUT,
+    ),
+    "DistAutogradTest.test_grad_only_on_return_value": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "backward through an RPC that returns a remote leaf tensor as-is "
+        "(ret_requires_grad) does not complete (hangs; not yet diagnosed)",
+        _HANG_TIMEOUT,
+    ),
+    "DistAutogradTest.test_grad_only_on_return_value_remote": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "as test_grad_only_on_return_value, through rpc.remote(...).to_here()",
+        _HANG_TIMEOUT,
+    ),
+    "DistAutogradTest.test_backward_unused_send_function": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "torch's FAST-mode backward never completes when an RPC's result is "
+        "unused, and the test asserts that hang; rpcdist's backward completes"
+    ),
+    "DistAutogradTest.test_dist_autograd_profiling": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "profiler events named SendRpcBackward / RecvRpcBackward / "
+        "torch::distributed::autograd::backward for a distributed backward pass"
+    ),
+    "DistAutogradTest.test_multiple_backward_with_errors": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "100 retain_graph backward passes over a remote UDF whose backward "
+        "fails for the first 50 do not all complete (hangs; not yet diagnosed)",
+        _HANG_TIMEOUT,
+    ),
+    "DistAutogradTest.test_no_grad_copy": KnownFailure(_GRAD_STEALING),
+    "DistAutogradTest.test_no_grad_copy_sparse": KnownFailure(_GRAD_STEALING),
+    "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref": KnownFailure(_GRAD_STEALING),
+    # (the trainers wait for a parameter server that never sees their sparse gradients: it hangs)
+    "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse": KnownFailure(_SPARSE, _HANG_TIMEOUT),
+    **{
+        f"TensorPipeAgentDistAutogradTest.{test}": KnownFailure(_SPARSE)
+        for test in (
+            "test_backward_different_dtypes_sparse",
+            "test_backward_multiple_round_trips_sparse",
+            "test_backward_no_grad_on_tensor_sparse",
+            "test_backward_rref_multi_sparse",
+            "test_backward_rref_nested_sparse",
+            "test_backward_rref_sparse",
+            "test_backward_simple_python_udf_sparse",
+            "test_backward_simple_self_sparse",
+            "test_backward_simple_sparse",
+            "test_backwards_nested_python_udf_sparse",
+            "test_mixed_requires_grad_sparse",
+            "test_multiple_backward_sparse",
+            "test_nested_backward_accumulate_grads_sparse",
+        )
+    },
 }

@@ -54,6 +54,18 @@ def test_skip_list_names_existing_tests_with_an_admitted_category() -> None:
         assert skip.reason.strip(), f"{key}: no reason"
 
 
+def test_known_failures_name_existing_tests_and_are_not_skips() -> None:
+    """KNOWN_FAILURES is separate from the reviewed skip list: public behaviours not yet
+    implemented, each a real test of a suite, none also skipped."""
+    by_name = {suite.__name__: suite for suite in suites.load()}
+    for key, (reason, _timeout) in skips.KNOWN_FAILURES.items():
+        suite_name, _, method = key.partition(".")
+        assert suite_name in by_name, f"{key}: no suite {suite_name} in suites.SUITES"
+        assert method.startswith("test") and callable(getattr(by_name[suite_name], method, None)), key
+        assert key not in skips.SKIPS, f"{key}: both skipped and a known failure"
+        assert reason.startswith(skips.KNOWN_FAILURE_PREFIX), f"{key}: {reason!r}"
+
+
 def test_only_listed_tests_are_skipped() -> None:
     """Every generated test that does not run as torch wrote it is in the skip list."""
     generated = launcher.generate_tests("Rpcdist", RpcdistRpcAgentTestFixture, suites.load(), __name__)
@@ -61,4 +73,4 @@ def test_only_listed_tests_are_skipped() -> None:
         for name in unittest.TestLoader().getTestCaseNames(cls):
             key = f"{cls.torch_suite.__name__}.{name}"
             changed = getattr(cls, name) is not getattr(cls.torch_suite, name)
-            assert changed == (key in skips.SKIPS), key
+            assert changed == (key in skips.SKIPS or key in skips.KNOWN_FAILURES), key
