@@ -1127,6 +1127,47 @@ def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: 
 
 
 # ---------------------------------------------------------------------------- a worker dies
+def _backward_through(rpc_module: Any, name: str) -> Callable[[], Any]:
+    """Start, in a thread, a distributed backward pass whose part on ``name`` sleeps 60 s;
+    returns the wait for its end."""
+    import rpcdist.autograd as dist_autograd
+
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def backward() -> None:
+        try:
+            with dist_autograd.context() as context_id:
+                x = torch.ones(2, requires_grad=True)
+                y = rpc_module.rpc_sync(name, rf.slow_backward_identity, (x,), timeout=CALL_TIMEOUT)
+                dist_autograd.backward(context_id, [y.sum()])
+            done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - reported
+            done.set_exception(exc)
+
+    threading.Thread(target=backward, daemon=True).start()
+    return lambda: done.result(150)
+
+
+def _end_of_waits(waits: dict[str, Callable[[], Any]]) -> dict[str, dict[str, Any]]:
+    """Wait for each in turn; how each ended: its outcome (or error type, message, and whether
+    it is a WorkerUnavailableError) and when (``<what>_failed_at`` wall clock, comparable across
+    processes; ``<what>_at_monotonic``)."""
+    ended: dict[str, dict[str, Any]] = {}
+    for what, wait in waits.items():
+        entry: dict[str, Any] = {}
+        try:
+            wait()
+            entry[what] = "returned"
+        except Exception as exc:  # noqa: BLE001 - reported
+            entry[what] = type(exc).__name__
+            entry[f"{what}_message"] = str(exc)
+            entry[f"{what}_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
+        entry[f"{what}_failed_at"] = time.time()
+        entry[f"{what}_at_monotonic"] = time.monotonic()
+        ended[what] = entry
+    return ended
+
+
 def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
     rank: int,
     world_size: int,
@@ -1146,7 +1187,6 @@ def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
     nothing answers) or "cut" (w0 takes down its network interface ``cut``, the veth towards
     w2's host). A frozen or cut-off w2 is killed once the waits have ended."""
     import rpcdist as dist
-    import rpcdist.autograd as dist_autograd
 
     init(rank, world_size, init_method, **opts)
     # The group's messages take the same path as the calls (a co-located frozen peer's Unix
@@ -1164,20 +1204,7 @@ def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
         waits["to_here"] = creating.to_here_async(timeout=120.0).wait
         waits["recv"] = dist.irecv(torch.zeros(2), src=2).wait
         waits["all_reduce"] = dist.all_reduce(torch.ones(2), group=with_w2, async_op=True).wait
-        backward_done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def backward() -> None:
-            try:
-                with dist_autograd.context() as context_id:
-                    x = torch.ones(2, requires_grad=True)
-                    y = rpc.rpc_sync("w2", rf.slow_backward_identity, (x,), timeout=CALL_TIMEOUT)
-                    dist_autograd.backward(context_id, [y.sum()])
-                backward_done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - reported
-                backward_done.set_exception(exc)
-
-        threading.Thread(target=backward, daemon=True).start()
-        waits["backward"] = lambda: backward_done.result(150)
+        waits["backward"] = _backward_through(rpc, "w2")
         time.sleep(1.0)  # the backward pass has reached w2's sleeping function
         if death == "cut":
             pid = rpc.rpc_sync("w2", rf.freeze_in, (3600.0,), timeout=CALL_TIMEOUT)
@@ -1187,15 +1214,9 @@ def worker_death(  # noqa: C901 - one scenario, every way to wait on a worker
             how = rf.die_in if death == "kill" else rf.freeze_in
             pid = rpc.rpc_sync("w2", how, (1.0,), timeout=CALL_TIMEOUT)
         start = time.monotonic()
-        for what, wait in waits.items():
-            try:
-                wait()
-                report[what] = "returned"
-            except Exception as exc:  # noqa: BLE001 - reported
-                report[what] = type(exc).__name__
-                report[f"{what}_message"] = str(exc)
-                report[f"{what}_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
-            report[f"{what}_failed_after"] = time.monotonic() - start
+        for what, ended in _end_of_waits(waits).items():
+            report.update(ended)
+            report[f"{what}_failed_after"] = report.pop(f"{what}_at_monotonic") - start
         if death != "kill":
             os.kill(pid, signal.SIGKILL)
         report["w1_answers"] = rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT)
@@ -1219,7 +1240,6 @@ def worker_lost_everywhere(  # noqa: C901 - one scenario, every way to wait on a
     wait, how it ended and when (wall clock, comparable with ``fault_at``); then whether the
     survivors still serve each other, and how long their shutdown took."""
     import rpcdist as dist
-    import rpcdist.autograd as dist_autograd
 
     marks = Path(workdir)
     victim = world_size - 1
@@ -1239,31 +1259,12 @@ def worker_lost_everywhere(  # noqa: C901 - one scenario, every way to wait on a
         "recv": dist.irecv(torch.zeros(2), src=victim).wait,
         "all_reduce": dist.all_reduce(torch.ones(2), async_op=True).wait,
     }
-    backward_done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def backward() -> None:
-        try:
-            with dist_autograd.context() as context_id:
-                x = torch.ones(2, requires_grad=True)
-                y = rpc.rpc_sync(name, rf.slow_backward_identity, (x,), timeout=CALL_TIMEOUT)
-                dist_autograd.backward(context_id, [y.sum()])
-            backward_done.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - reported
-            backward_done.set_exception(exc)
-
-    threading.Thread(target=backward, daemon=True).start()
-    waits["backward"] = lambda: backward_done.result(150)
+    waits["backward"] = _backward_through(rpc, name)
     time.sleep(1.0)  # the backward pass has reached the victim's sleeping function
     (marks / f"waiting_{rank}").touch()
-    for what, wait in waits.items():
-        try:
-            wait()
-            report[what] = "returned"
-        except Exception as exc:  # noqa: BLE001 - reported
-            report[what] = type(exc).__name__
-            report[f"{what}_message"] = str(exc)
-            report[f"{what}_isinstance_unavailable"] = isinstance(exc, WorkerUnavailableError)
-        report[f"{what}_failed_at"] = time.time()
+    for what, ended in _end_of_waits(waits).items():
+        report.update(ended)
+        report.pop(f"{what}_at_monotonic")
     (marks / f"measured_{rank}").touch()
     survivors = [r for r in range(world_size) if r != victim]
     report["survivors_answer"] = [rpc.rpc_sync(f"w{r}", rf.whoami, timeout=CALL_TIMEOUT) for r in survivors]
