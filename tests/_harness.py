@@ -246,9 +246,10 @@ class InitMethod:
 class GroupRun:
     """The outcome of one launch of worker processes."""
 
-    def __init__(self, outcomes: list[ProcOutcome], init: InitMethod) -> None:
+    def __init__(self, outcomes: list[ProcOutcome], init: InitMethod, started_at: float) -> None:
         self.outcomes = outcomes
         self.init = init
+        self.started_at = started_at  # wall clock before the first worker started
 
     # -- lookups ------------------------------------------------------------------------------
     def outcome(self, rank: int = 0, label: str | None = None) -> ProcOutcome:
@@ -309,7 +310,11 @@ class GroupRun:
         for name in names:
             parts = name.split("-")  # rpcdist-<pid>-... and rpcdist-probe-<pid>-...
             if parts[0] == "rpcdist" and len(parts) > 2 and (parts[1] in pids or parts[2] in pids):
-                ours.append(name)
+                # A pid is reused once the system wraps around: a file of a worker killed by
+                # an earlier test (SIGKILL leaves its files) may carry one of these pids.
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(os.path.join("/dev/shm", name)).st_mtime >= self.started_at - 1.0:
+                        ours.append(name)
         assert not ours, f"shared-memory files left behind by the workers: {sorted(ours)}"
 
     def assert_clean_exit(self, strict_threads: bool = False, exit_lag: float = 20.0) -> None:
@@ -360,6 +365,7 @@ class Launch:
         self._result_seen: dict[str, float] = {}
         self._exited: dict[str, float] = {}
         self._killed: set[str] = set()
+        self._started_at = time.time()
 
     def start(self, spec: ProcSpec) -> str:
         """Start one worker; returns its label."""
@@ -438,7 +444,7 @@ class Launch:
             killed = label in self._killed
             outcomes.append(ProcOutcome(spec, label, process.exitcode, killed, result, log, lag))
             process.close()
-        return GroupRun(outcomes, self.init)
+        return GroupRun(outcomes, self.init, self._started_at)
 
 
 def run_processes(
