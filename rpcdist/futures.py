@@ -50,15 +50,13 @@ class _Failure:
         self.future = weakref.ref(future)
 
 
-# torch's C methods, called directly: torch.futures.Future's Python layer only forwards to them,
-# and RPC makes a future per call.
+# torch's C methods, called directly: torch.futures.Future's Python layer only forwards to them.
 _C = torch._C.Future
-_c_init, _c_set_result, _c_done, _c_wait = _C.__init__, _C.set_result, _C.done, _C.wait
-_c_add_done_callback, _c_set_unwrap_func = _C.add_done_callback, _C._set_unwrap_func
+_c_init, _c_set_result, _c_set_unwrap_func = _C.__init__, _C.set_result, _C._set_unwrap_func
 
 
 def _unwrap(value: Any) -> Any:
-    """What ``wait()``/``value()`` give for the value torch holds: a failure raises."""
+    """What torch's side gives for the value it holds (``wait_all`` etc.): a failure raises."""
     if type(value) is not _Failure:
         return value
     future = value.future()
@@ -69,7 +67,10 @@ def _unwrap(value: Any) -> Any:
     raise _fresh(error)
 
 
-_failing = threading.Lock()  # serialises the claims of failures (see Future._try_complete)
+# Serialises completions and the registration of callbacks and waiters (held for a few
+# attribute writes: far cheaper than a lock per future, which RPC would make per call).
+_state_lock = threading.Lock()
+_PENDING, _DONE, _FAILED = 0, 1, 2
 _COMPLETED_TWICE = (
     "Attempting to mark a completed Future as complete again. "
     "Note that a Future can only be marked completed once."
@@ -98,17 +99,28 @@ def _fresh(error: BaseException) -> BaseException:
 class Future(torch.futures.Future[T]):
     """The eventual result of an asynchronous operation (a ``torch.futures.Future``).
 
-    Completion may happen on any thread; callbacks run on the thread that completes it.
+    Completion may happen on any thread; callbacks run on the thread that completes it (at
+    once on the calling thread when added to a completed future).
+
+    The outcome lives in Python; torch's (C++) side of the future is completed only for torch
+    code that reads it there: ``torch.futures.collect_all``/``wait_all`` and ``torch.jit.wait``
+    (rpcdist arranges it), or whoever called :meth:`torch_future`. Completing torch's side
+    releases the GIL, and on a busy process that is a thread switch per completed call.
     """
 
-    __slots__ = ("_error", "_loop_hint")  # no per-future __dict__: RPC makes one per call
+    __slots__ = ("_state", "_result", "_error", "_callbacks", "_waiter", "_torch_side", "_loop_hint")
 
     def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None, devices: Any = None) -> None:
         if devices:
             super().__init__(devices=devices)
         else:
             _c_init(self, [])
+        self._state = _PENDING
+        self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], None]] | None = None
+        self._waiter: threading.Lock | None = None  # held until completion, for blocked threads
+        self._torch_side = False  # torch's C++ side is completed too (see torch_future)
         # The loop whose thread completes this future, so wait() there can refuse to deadlock.
         self._loop_hint = loop
 
@@ -128,40 +140,63 @@ class Future(torch.futures.Future[T]):
     def _try_complete(self, result: Any, exception: BaseException | None) -> bool:
         """Complete unless already complete; returns whether this call completed it.
 
-        Completions may race (a reply, a timeout and a lost link): torch completes a future
-        once and refuses the rest. A failure first claims the future under a lock (failures
-        are rare, values never take it), so two failures cannot mix up their errors; a value
-        that wins against a claimed failure undoes the claim.
+        Completions may race (a reply, a timeout and a lost link): the first one wins, as in
+        torch, and the others change nothing.
         """
-        if exception is None:
-            try:
-                _c_set_result(self, result)
-            except RuntimeError as exc:
-                if "complete" not in str(exc):
-                    raise
+        with _state_lock:
+            if self._state:
                 return False
-            return True
-        with _failing:
-            if self._error is not None or _c_done(self):
-                return False
-            self._error = exception
-        _c_set_unwrap_func(self, _unwrap)  # passes values through: harmless if a value wins
-        try:
-            _c_set_result(self, _Failure(self))  # callbacks run here, outside the lock
-        except RuntimeError as exc:
-            if "complete" not in str(exc):
-                raise
-            with _failing:
-                self._error = None  # a value won: this future did not fail
-            return False
+            if exception is None:
+                self._result = result
+                self._state = _DONE
+            else:
+                self._error = exception
+                self._state = _FAILED
+            callbacks, self._callbacks = self._callbacks, None
+            waiter, torch_side = self._waiter, self._torch_side
+        if torch_side:
+            self._complete_torch_side()
+        if waiter is not None:
+            waiter.release()
+        if callbacks:
+            for callback in callbacks:
+                callback(self)
         return True
 
+    def _complete_torch_side(self) -> None:
+        if self._state == _FAILED:
+            _c_set_unwrap_func(self, _unwrap)
+            # torch holds a weak reference: the exception stays in Python (see _Failure)
+            _c_set_result(self, _Failure(self))
+        else:
+            _c_set_result(self, self._result)
+
+    def torch_future(self) -> Future[T]:
+        """This future, with torch's C++ side kept complete: for torch code that reads the
+        future in C++ (a DDP communication hook's return value, ``torch._C`` functions).
+        ``torch.futures.collect_all``/``wait_all`` and ``torch.jit.wait`` need no call."""
+        with _state_lock:
+            if self._torch_side:
+                return self
+            self._torch_side = True
+            done = self._state != _PENDING
+        if done:
+            self._complete_torch_side()
+        return self
+
     # -- inspecting -----------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the future is complete (with a value or an exception)."""
+        return self._state != _PENDING
+
     def value(self) -> T:
         """The result of a completed future (raises its exception if it failed)."""
-        if not _c_done(self):
-            raise RuntimeError("Future.value() called before the future completed; use wait()")
-        return _C.value(self)
+        state = self._state
+        if state == _DONE:
+            return self._result
+        if state == _FAILED:
+            raise _fresh(self._error)  # type: ignore[arg-type]
+        raise RuntimeError("Future.value() called before the future completed; use wait()")
 
     def exception(self) -> BaseException | None:
         """The exception of a completed, failed future (``None`` otherwise)."""
@@ -173,33 +208,49 @@ class Future(torch.futures.Future[T]):
         ``timeout`` (seconds) bounds the wait with a ``TimeoutError``; RPC futures also carry
         their own call timeout.
         """
-        if not _c_done(self):
+        if self._state == _PENDING:
             loop = self._loop_hint
             if loop is not None and _running_loop() is loop:
                 raise BlockingCallError(
                     "Future.wait() on the rpcdist event loop would block it forever; use `await future`"
                 )
-            if timeout is not None:
-                finished = threading.Event()
-                _c_add_done_callback(self, lambda _: finished.set())
-                if not finished.wait(timeout):
+            with _state_lock:
+                waiter = self._waiter
+                if waiter is None and self._state == _PENDING:
+                    waiter = self._waiter = threading.Lock()
+                    waiter.acquire()
+            if waiter is not None:
+                if not waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                     raise TimeoutError(f"Future not complete after {timeout} s")
-        return _c_wait(self)
+                waiter.release()  # the next blocked thread, if any, goes on too
+        return self.value()
 
     # -- chaining ---------------------------------------------------------------------------------
+    def _on_done(self, callback: Callable[[Future[T]], None]) -> None:
+        """Run ``callback(self)`` once complete (now if it is); its exceptions propagate."""
+        if self._state == _PENDING:
+            with _state_lock:
+                if self._state == _PENDING:
+                    if self._callbacks is None:
+                        self._callbacks = [callback]
+                    else:
+                        self._callbacks.append(callback)
+                    return
+        callback(self)
+
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
         """Call ``callback(self)`` once complete (at once if it already is). An exception in
         ``callback`` is logged, never raised into whoever completed the future."""
         if not callable(callback):
             raise TypeError(f"add_done_callback() needs a callable, not {type(callback).__name__}")
 
-        def run(fut: Any) -> None:  # ``fut`` is this future (never ``self`` here: see _Failure)
+        def run(fut: Future[T]) -> None:
             try:
                 callback(fut)
             except Exception:
                 log.exception("a Future callback raised")
 
-        _c_add_done_callback(self, run)
+        self._on_done(run)
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new Future completed with ``callback(self)`` (or the exception it raises)."""
@@ -207,18 +258,20 @@ class Future(torch.futures.Future[T]):
             raise TypeError(f"then() needs a callable, not {type(callback).__name__}")
         chained: Future[S] = Future(loop=self._loop_hint)
 
-        def run(fut: Any) -> None:
+        def run(fut: Future[T]) -> None:
             try:
-                chained._try_complete(callback(fut), None)
+                outcome = callback(fut)
             except BaseException as exc:  # noqa: BLE001 - the chained future carries it
                 chained._try_complete(None, exc)
+            else:
+                chained._try_complete(outcome, None)
 
-        _c_add_done_callback(self, run)
+        self._on_done(run)
         return chained
 
     # -- asyncio -----------------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, None, T]:
-        if not _c_done(self):
+        if self._state == _PENDING:
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
 
@@ -228,13 +281,46 @@ class Future(torch.futures.Future[T]):
                 else:
                     loop.call_soon_threadsafe(_settle, waiter)
 
-            _c_add_done_callback(self, wake)
+            self._on_done(wake)
             yield from waiter.__await__()
-        return _c_wait(self)
+        return self.value()
 
     def __repr__(self) -> str:
-        state = "pending" if not _c_done(self) else ("failed" if self._error is not None else "done")
+        state = ("pending", "done", "failed")[self._state]
         return f"<rpcdist.Future {state}>"
+
+
+def _torch_sides(futures: Any) -> Any:
+    for fut in futures:
+        if isinstance(fut, Future):
+            fut.torch_future()
+    return futures
+
+
+def _install_torch_hooks() -> None:
+    """Make torch's C++ readers of futures see rpcdist futures complete.
+
+    ``torch.futures.collect_all``/``wait_all`` and ``torch.jit.wait`` look ``torch._C``'s
+    functions up at each call, so wrapping those two covers every import of them.
+    """
+    if getattr(torch._C._collect_all, "_rpcdist_wrapped", False):
+        return
+    collect_all_c, wait_c = torch._C._collect_all, torch._C.wait
+
+    def collect_all_hook(futures: Any) -> Any:
+        return collect_all_c(_torch_sides(futures))
+
+    def wait_hook(future: Any) -> Any:
+        if isinstance(future, Future):
+            return future.wait()  # torch's C wait keeps the GIL: whoever completes it could not
+        return wait_c(future)
+
+    for hook, name in ((collect_all_hook, "_collect_all"), (wait_hook, "wait")):
+        hook._rpcdist_wrapped = True  # type: ignore[attr-defined]
+        setattr(torch._C, name, hook)
+
+
+_install_torch_hooks()
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:

@@ -59,9 +59,7 @@ def rebuild_tensor(
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, stream: Any, grad_reducer: GradReducer | None, **kwargs: Any) -> None:
-        super().__init__(stream, **kwargs)
-        self._grad_reducer = grad_reducer
+    _grad_reducer: GradReducer | None = None  # set per instance by dumps()
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -106,15 +104,16 @@ def dumps(obj: Any, grad_reducer: GradReducer | None = None) -> tuple[bytes, lis
 
     Raises :class:`SerializationError` (a ``TypeError``) naming what could not be pickled.
     """
-    buffers: list[memoryview] = []
+    out_of_band: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
+    pickler = _Pickler(stream, protocol=5, buffer_callback=out_of_band.append)
+    if grad_reducer is not None:
+        pickler._grad_reducer = grad_reducer
     try:
-        _Pickler(stream, grad_reducer, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(
-            obj
-        )
+        pickler.dump(obj)
     except Exception as exc:  # pickle raises many types (PicklingError, TypeError, AttributeError)
         raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
-    return stream.getvalue(), buffers
+    return stream.getvalue(), [b.raw() for b in out_of_band] if out_of_band else []
 
 
 def loads(payload: bytes, buffers: Sequence[Buffer] = ()) -> Any:

@@ -188,3 +188,46 @@ def test_racing_failures_keep_one_error() -> None:
         assert any(error is e for e in errors)
         with pytest.raises(type(error)):
             fut.wait()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.wait` is deprecated:DeprecationWarning")
+def test_torch_code_reading_the_future_in_cpp_sees_it_complete() -> None:
+    """torch's C++ side is completed when torch code reads it there: collect_all/wait_all and
+    torch.jit.wait (before or after completion), and torch._C readers through torch_future()."""
+    pending: Future[int] = Future()
+    collected = torch.futures.collect_all([pending])  # taken before completion
+    _complete_later(pending, 7)
+    assert [f.wait() for f in collected.wait()] == [7]
+    assert torch.jit.wait(pending) == 7
+
+    early: Future[int] = Future()
+    early.set_result(3)
+    assert torch.futures.wait_all([early]) == [3]  # taken after completion
+    later: Future[int] = Future()
+    _complete_later(later, 4)
+    assert torch.jit.wait(later) == 4
+
+    chained_in_cpp: Future[int] = Future()
+    doubled = torch._C.Future.then(chained_in_cpp.torch_future(), lambda f: f.wait() * 2)
+    chained_in_cpp.set_result(21)
+    assert doubled.wait() == 42
+
+    failing: Future[int] = Future()
+    in_cpp = torch._C.Future.then(failing.torch_future(), lambda f: f.wait())
+    failing.set_exception(ValueError("seen by torch"))
+    with pytest.raises(RuntimeError, match="ValueError: seen by torch"):  # torch's wording
+        in_cpp.wait()
+    with pytest.raises(ValueError, match="seen by torch"):
+        torch.futures.wait_all([failing])
+
+
+def test_many_threads_waiting_on_one_future_all_wake() -> None:
+    fut: Future[int] = Future()
+    results: list[int] = []
+    waiters = [threading.Thread(target=lambda: results.append(fut.wait(10))) for _ in range(8)]
+    for t in waiters:
+        t.start()
+    fut.set_result(9)
+    for t in waiters:
+        t.join(10)
+    assert results == [9] * 8

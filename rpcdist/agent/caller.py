@@ -208,7 +208,8 @@ class Caller(LinkHandler):
                 continue  # timed out or cancelled meanwhile
             if call.shared:
                 shm.remove(n for n in call.shared if not shm.is_slot(n))  # normally adopted already
-            agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read its arguments
+            if call.lent:
+                agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read them
             if call.timer is not None:
                 call.timer.cancel()
             if not self.pending:

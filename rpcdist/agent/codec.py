@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rpcdist import serialization
-from rpcdist.agent.extensions import TensorReducer, collecting_undo, run_undo
+from rpcdist.agent.extensions import CollectingUndo, TensorReducer, run_undo
 from rpcdist.errors import PayloadTooLargeError, RemoteError, annotate_remote
 
 __all__ = ["pickle_message", "describe_error", "rebuild_error"]
@@ -20,10 +20,12 @@ def pickle_message(
 ) -> tuple[bytes, list[memoryview], list[Callable[[], None]]]:
     """Pickle one message; returns it with the undo callbacks of what it carries (given
     back at once if it cannot be pickled or is above ``max_bytes``)."""
-    with collecting_undo() as undo:
+    with CollectingUndo() as undo:
         try:
             payload, buffers = serialization.dumps(obj, grad_reducer=tensor_reducer)
-            size = len(payload) + sum(len(b) for b in buffers)
+            size = len(payload)
+            if buffers:
+                size += sum(len(b) for b in buffers)
             if size > max_bytes:
                 raise PayloadTooLargeError(
                     f"{what} carries {size} bytes, above max_payload_bytes={max_bytes}"

@@ -13,10 +13,9 @@ The agent carries calls; two things ride along that belong to layers above it:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "CallExtension",
     "TensorReducer",
-    "collecting_undo",
+    "CollectingUndo",
     "on_undelivered",
     "pickling_message",
     "run_undo",
@@ -53,17 +52,21 @@ class CallExtension(Protocol):
 _undo = threading.local()
 
 
-@contextlib.contextmanager
-def collecting_undo() -> Iterator[list[Callable[[], None]]]:
-    """Collect the :func:`on_undelivered` callbacks of what is pickled in this block (this
-    thread); the caller keeps them with the message."""
-    previous = getattr(_undo, "callbacks", None)
-    callbacks: list[Callable[[], None]] = []
-    _undo.callbacks = callbacks
-    try:
-        yield callbacks
-    finally:
-        _undo.callbacks = previous
+class CollectingUndo:
+    """``with CollectingUndo() as undo:`` collects the :func:`on_undelivered` callbacks of
+    what is pickled in the block (this thread); the caller keeps them with the message.
+    (A class, not a generator context manager: every message goes through it.)"""
+
+    __slots__ = ("callbacks", "_previous")
+
+    def __enter__(self) -> list[Callable[[], None]]:
+        self._previous = getattr(_undo, "callbacks", None)
+        self.callbacks: list[Callable[[], None]] = []
+        _undo.callbacks = self.callbacks
+        return self.callbacks
+
+    def __exit__(self, *exc: object) -> None:
+        _undo.callbacks = self._previous
 
 
 def on_undelivered(callback: Callable[[], None]) -> None:

@@ -147,7 +147,7 @@ class RpcdistWork(tdist.Work):
 
                 # torch's own then: an exception in the callback becomes a C++ error of the
                 # chained future, which C++ consumers (DDP) see as a failure, not as a value.
-                self._torch_future = torch._C.Future.then(self._work.get_future(), outcome)
+                self._torch_future = torch._C.Future.then(self._work.get_future().torch_future(), outcome)
             return self._torch_future
 
     def result(self) -> list[torch.Tensor]:

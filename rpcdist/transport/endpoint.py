@@ -220,6 +220,8 @@ class Transport(LinkHandler):
         go through reusable slots, which are appended to it; otherwise each is handed over as
         a new file the receiver keeps.
         """
+        if not buffers:
+            return []
         threshold = self.shm_threshold_bytes
         if not self.is_colocated(rank) or not any(len(b) >= threshold for b in buffers):
             return []
