@@ -101,7 +101,7 @@ def profiled(key: Callable[[], str], start: Callable[[], Future[Any]]) -> Future
     # The event ends when the call does, in a callback on the thread that completes it. The
     # caller sees the call complete only after that, or a profile it closes right after the
     # call (a callee profiling a nested call) would miss the event.
-    ended = record._call_end_callbacks_on_future(future)
+    ended = record._call_end_callbacks_on_future(future.torch_future())  # read in C++
     result: Future[Any] = Future(loop=getattr(future, "_loop_hint", None))
 
     def finished(_: Any) -> None:

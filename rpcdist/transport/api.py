@@ -35,7 +35,9 @@ __all__ = ["Accept", "Entries", "Link", "LinkHandler", "PeerAddress", "Session",
 Entries = Iterator[list[bytes | memoryview]]
 """One message, as a lazy sequence of frame entries (see ``frames.encode_message``)."""
 
-Write = Callable[[bytes], Awaitable[None]]
+Write = Callable[[list[bytes | memoryview]], Awaitable[None]]
+"""Writes one frame, given as its pieces (a carrier that can send them as they are, without
+joining them into one buffer, does so)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -44,6 +45,28 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+DATA_ALIGNMENT = 64
+"""Where a big envelope's data starts in its frame (a multiple of this), so that a receiver
+whose frame buffer is aligned can keep the data as tensor memory without copying it."""
+ALIGNED_DATA_BYTES = 64 << 10
+_PADDING_TAG = b"\x7a"  # Envelope field 15, length-delimited: unknown to readers, skipped
+
+
+def align_data(entry: list[bytes | memoryview], offset: int) -> list[bytes | memoryview]:
+    """``entry`` (from :func:`encode_message`), padded so that its data starts at a multiple
+    of :data:`DATA_ALIGNMENT` when the entry is placed at ``offset`` in its frame."""
+    if len(entry) != 4 or len(entry[3]) < ALIGNED_DATA_BYTES:
+        return entry
+    _, header, data_prefix, data = entry
+    body = len(header) + len(data_prefix) + len(data)
+    for pad in (0, *range(2, 130)):  # a padding field takes 2..129 bytes: tag, length, zeros
+        prefix = _FRAME_ENVELOPE_TAG + _varint(body + pad)
+        if (offset + len(prefix) + len(header) + pad + len(data_prefix)) % DATA_ALIGNMENT == 0:
+            padding = _PADDING_TAG + bytes([pad - 2]) + bytes(pad - 2) if pad else b""
+            return [prefix, header + padding, data_prefix, data]
+    return entry  # unreachable: 128 consecutive sizes cover every remainder
 
 
 def _envelope_entry(header: bytes, data: memoryview | bytes) -> list[bytes | memoryview]:
@@ -219,6 +242,33 @@ def encode_control(call_id: int, kind: int) -> list[bytes | memoryview]:
     return _envelope_entry(agent_pb2.Envelope(call_id=call_id, kind=kind).SerializeToString(), b"")
 
 
+def _in_place(data: memoryview | bytes, sizes: list[int]) -> list[memoryview] | None:
+    """The buffers of ``sizes`` as slices of ``data`` itself, when its memory can be kept as
+    tensor memory: writable, aligned, all of the message's inline bytes, and most of its frame
+    (a tensor keeps the whole frame alive). None: copy them out."""
+    if (
+        type(data) is not memoryview
+        or data.readonly
+        or len(data) < ALIGNED_DATA_BYTES
+        or len(data) != sum(sizes)
+        or 2 * len(data) < memoryview(data.obj).nbytes
+    ):
+        return None
+    address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    views = []
+    offset = 0
+    for size in sizes:
+        if size and (address + offset) % DATA_ALIGNMENT:
+            return None
+        views.append(data[offset : offset + size])
+        offset += size
+    return views
+
+
+def _fresh_buffer(size: int) -> memoryview:
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if size else memoryview(bytearray())
+
+
 class Assembly:
     """Collects a message's buffers from its header envelope and following CHUNKs.
 
@@ -251,6 +301,8 @@ class Assembly:
             if header.data:
                 self.feed(header.data)
             return
+        inline_sizes = [n for n, name in zip(header.buffer_sizes, shared, strict=True) if not name]
+        in_place = _in_place(header.data, inline_sizes)
         for size, name in zip(header.buffer_sizes, shared, strict=True):
             if name:
                 try:
@@ -261,16 +313,16 @@ class Assembly:
                 except (OSError, ValueError) as exc:
                     self.error = exc
                     self.buffers.append(memoryview(bytearray()))
-                continue
-            view = (
-                memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if size else memoryview(bytearray())
-            )
-            self.buffers.append(view)
-            self._views.append(view)
+            elif in_place is not None:
+                self.buffers.append(in_place.pop(0))
+            else:
+                view = _fresh_buffer(size)
+                self.buffers.append(view)
+                self._views.append(view)
         self._index = 0
         self._offset = 0
         self.remaining = sum(len(v) for v in self._views)
-        if header.data:
+        if header.data and in_place is None:
             self.feed(header.data)
 
     def feed(self, data: memoryview | bytes) -> None:

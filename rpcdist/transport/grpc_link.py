@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from rpcdist._runtime import stray_cancellation
-from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress
+from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Write
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.writer import FrameWriter
 
@@ -43,7 +44,7 @@ class GrpcLink(Link):
         self.call = self.channel.stream_stream(
             EXCHANGE_METHOD, request_serializer=None, response_deserializer=None
         )()
-        self.writer = FrameWriter(self.call.write, peer.name)
+        self.writer = FrameWriter(joined(self.call.write), peer.name)
         self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"rpcdist-reader-{peer.name}")
 
     async def _read(self) -> None:
@@ -82,6 +83,15 @@ class GrpcLink(Link):
             await self.channel.close(grace=None)
 
 
+def joined(write: Callable[[bytes], Awaitable[None]]) -> Write:
+    """gRPC sends one message per frame: the pieces are joined into it."""
+
+    def write_frame(pieces: list[bytes | memoryview]) -> Awaitable[None]:
+        return write(pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytes else b"".join(pieces))
+
+    return write_frame
+
+
 def exchange_handler(accept: Accept) -> grpc.GenericRpcHandler:
     """The gRPC handler that serves incoming Exchange streams through ``accept``."""
 
@@ -104,7 +114,7 @@ async def serve_grpc_stream(
     context: grpc.aio.ServicerContext,
 ) -> None:
     """Drive one incoming Exchange stream through the session ``accept`` makes for it."""
-    session = accept(context.write)
+    session = accept(joined(context.write))
     try:
         async for raw in request_iterator:
             try:

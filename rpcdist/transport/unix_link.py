@@ -13,6 +13,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from rpcdist._runtime import stray_cancellation
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
 from rpcdist.transport.frames import FrameError
@@ -24,13 +26,32 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<Q")
 
 
-class _FramedProtocol(asyncio.Protocol):
-    """Length-prefixed frames over a stream socket, with write flow control."""
+_STAGING_BYTES = 256 << 10
+_BIG_FRAME_BYTES = 64 << 10
 
-    def __init__(self, on_frame: Callable[[bytes], None], on_eof: Callable[[], None]) -> None:
+
+def _aligned_buffer(size: int) -> memoryview:
+    """Writable memory for one big frame, aligned as tensor memory is (see frames.align_data)."""
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+
+
+class _FramedProtocol(asyncio.BufferedProtocol):
+    """Length-prefixed frames over a stream socket, with write flow control.
+
+    Small frames are read many per ``recv`` into a staging buffer; a big frame is read by the
+    kernel straight into an aligned buffer of its own, handed on as it is (a writable
+    memoryview: tensors decoded from it may keep its memory instead of copying it out).
+    """
+
+    def __init__(self, on_frame: Callable[[bytes | memoryview], None], on_eof: Callable[[], None]) -> None:
         self._on_frame = on_frame
         self._on_eof = on_eof
-        self._buffer = bytearray()
+        self._staging = bytearray(_STAGING_BYTES)
+        self._staged = memoryview(self._staging)
+        self._start = 0  # unread bytes are _staging[_start:_end]
+        self._end = 0
+        self._big: memoryview | None = None  # the big frame being read, and how much of it is in
+        self._big_filled = 0
         self.transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -39,28 +60,57 @@ class _FramedProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        start = 0
+    # -- reading ----------------------------------------------------------------------------------
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._big is not None:
+            return self._big[self._big_filled :]
+        if self._end == _STAGING_BYTES:  # make room: move the unread tail to the front
+            unread = self._end - self._start
+            self._staging[:unread] = bytes(self._staged[self._start : self._end])  # no overlap risk
+            self._start, self._end = 0, unread
+        return self._staged[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._big is not None:
+            self._big_filled += nbytes
+            if self._big_filled == len(self._big):
+                frame, self._big = self._big, None
+                self._on_frame(frame)
+            return
+        self._end += nbytes
         try:
-            while len(buffer) - start >= 8:
-                (length,) = _LENGTH.unpack_from(buffer, start)
-                if length > GRPC_MESSAGE_LIMIT:
-                    raise FrameError(f"frame of {length} bytes is above the {GRPC_MESSAGE_LIMIT} limit")
-                end = start + 8 + length
-                if len(buffer) < end:
-                    break
-                self._on_frame(bytes(buffer[start + 8 : end]))
-                start = end
+            self._split()
         except FrameError as exc:
             log.warning("closing a connection that sent a malformed frame: %s", exc)
-            del buffer[:]
+            self._start = self._end = 0
             if self.transport is not None:
                 self.transport.abort()
-            return
-        if start:
-            del buffer[:start]
+
+    def _split(self) -> None:
+        """Hand on every complete frame in the staging buffer; start reading a big one."""
+        staged = self._staged
+        while self._end - self._start >= 8:
+            start = self._start
+            (length,) = _LENGTH.unpack_from(staged, start)
+            if length > GRPC_MESSAGE_LIMIT:
+                raise FrameError(f"frame of {length} bytes is above the {GRPC_MESSAGE_LIMIT} limit")
+            available = self._end - start - 8
+            if length >= _BIG_FRAME_BYTES:
+                big = _aligned_buffer(length)
+                have = min(available, length)
+                big[:have] = staged[start + 8 : start + 8 + have]
+                self._start = start + 8 + have
+                if have < length:
+                    self._big, self._big_filled = big, have
+                    break
+                self._on_frame(big)
+                continue
+            if available < length:
+                break
+            self._start = start + 8 + length
+            self._on_frame(bytes(staged[start + 8 : self._start]))
+        if self._start == self._end:
+            self._start = self._end = 0
 
     def eof_received(self) -> bool:
         self._on_eof()
@@ -71,21 +121,25 @@ class _FramedProtocol(asyncio.Protocol):
         if not self.lost.done():
             self.lost.set_result(str(exc) if exc else "the connection was closed")
 
+    # -- writing ----------------------------------------------------------------------------------
     def pause_writing(self) -> None:
         self._can_write.clear()
 
     def resume_writing(self) -> None:
         self._can_write.set()
 
-    async def write(self, frame: bytes) -> None:
+    async def write(self, pieces: list[bytes | memoryview]) -> None:
+        """Write one frame, given as its pieces (big pieces are not copied to be joined)."""
         transport = self.transport
         if transport is None or transport.is_closing():
             raise OSError("connection closed")
-        if len(frame) < 65536:
-            transport.write(_LENGTH.pack(len(frame)) + frame)
-        else:  # don't copy a big frame just to prefix it
-            transport.write(_LENGTH.pack(len(frame)))
-            transport.write(frame)
+        size = 0
+        for piece in pieces:
+            size += len(piece)
+        if size < _BIG_FRAME_BYTES:
+            transport.write(b"".join([_LENGTH.pack(size), *pieces]))
+        else:
+            transport.writelines([_LENGTH.pack(size), *pieces])
         if not self._can_write.is_set():
             await self._can_write.wait()
 
@@ -128,9 +182,9 @@ class UnixLink(Link):
 
         self._connected.add_done_callback(close)  # at once if connected already
 
-    async def _write(self, frame: bytes) -> None:
+    async def _write(self, pieces: list[bytes | memoryview]) -> None:
         protocol = self._protocol or await self._connected
-        await protocol.write(frame)
+        await protocol.write(pieces)
 
     async def _watch(self) -> None:
         reason = "the connection was closed"
@@ -181,7 +235,7 @@ async def serve_unix(path: str, accept: Accept) -> asyncio.AbstractServer:
     def connection() -> _FramedProtocol:
         holder: dict[str, Any] = {}
 
-        def on_frame(raw: bytes) -> None:
+        def on_frame(raw: bytes | memoryview) -> None:
             holder["session"].on_frame(raw)
 
         def on_eof() -> None:

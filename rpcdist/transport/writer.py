@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from rpcdist.transport.frames import ALIGNED_DATA_BYTES, align_data
+
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 1 << 20
@@ -30,7 +32,7 @@ class FrameWriter:
     does not hold up small calls to the same peer.
     """
 
-    def __init__(self, write: Callable[[bytes], Any], name: str) -> None:
+    def __init__(self, write: Callable[[list[bytes | memoryview]], Any], name: str) -> None:
         self._write = write
         self._messages: collections.deque[Entries] = collections.deque()
         self._wake = asyncio.Event()
@@ -53,7 +55,7 @@ class FrameWriter:
         while True:
             if self._heartbeat_due:
                 self._heartbeat_due = False
-                if not await self._put(b""):  # the one frame that is empty
+                if not await self._put([]):  # the one frame that is empty
                     return
                 continue
             if not messages:
@@ -69,14 +71,16 @@ class FrameWriter:
                 if entry is None:
                     messages.popleft()
                     continue
+                if len(entry) == 4 and len(entry[3]) >= ALIGNED_DATA_BYTES:
+                    entry = align_data(entry, size)  # the receiver may keep it in place
                 pieces += entry
                 size += sum(len(p) for p in entry)
                 if size >= MAX_FRAME_BYTES and len(messages) > 1:
                     messages.rotate(-1)  # a big message yields its turn after each chunk
-            if pieces and not await self._put(b"".join(pieces)):
+            if pieces and not await self._put(pieces):
                 return
 
-    async def _put(self, frame: bytes) -> bool:
+    async def _put(self, frame: list[bytes | memoryview]) -> bool:
         """Write one frame; False once the link is gone (its reader fails the calls that were
         waiting on it)."""
         try:
