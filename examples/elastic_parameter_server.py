@@ -60,7 +60,10 @@ VISIT_EPOCHS, QUICK_VISIT_EPOCHS = 4, 2
 
 
 def say(text: str) -> None:
-    print(text, flush=True)
+    # One write per line: the group's processes share this output, and a line written in
+    # two pieces (as print() does on unbuffered streams) can be split by another's.
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def open_store(timeout: float) -> rpcdist.GrpcStore:
