@@ -29,12 +29,22 @@ HEADER_COLUMNS = ["metric", "unit", "torch", "rpcdist", "rpcdist/torch", "better
 # row label -> (unit, better when)
 ROWS = {
     "(a) PS training, 2 trainers: aggregate rate": ("steps/s", "higher"),
-    "(a) PS training: time per step, per trainer": ("ms", "lower"),
+    "(a) PS training, 2 trainers: time per step, per trainer": ("ms", "lower"),
+    "(a) PS training, 4 trainers: aggregate rate": ("steps/s", "higher"),
+    "(a) PS training, 4 trainers: time per step, per trainer": ("ms", "lower"),
     "(b) 2-stage iteration with dist autograd": ("µs", "lower"),
     "(b) same forward, plain RPC, no autograd": ("µs", "lower"),
     "(b) distributed autograd overhead per iteration": ("µs", "lower"),
 }
-ROW_IDS = {"ps_steps_per_s", "ps_step_ms", "pipe_autograd_us", "pipe_plain_us", "pipe_overhead_us"}
+ROW_IDS = {
+    "ps_steps_per_s",
+    "ps_step_ms",
+    "ps4_steps_per_s",
+    "ps4_step_ms",
+    "pipe_autograd_us",
+    "pipe_plain_us",
+    "pipe_overhead_us",
+}
 CELL = r"(?:-?[\d,]+(?:\.\d+)?\*?|ERR|HANG|SKIP|LOST|-)"
 NUMBER = r"-?[\d,]+(?:\.\d+)?\*?"
 
@@ -73,8 +83,10 @@ def check_table(stdout: str) -> list[str]:
     lines = stdout.splitlines()
     title = "rpcdist vs torch.distributed.rpc + torch.distributed.autograd"
     assert lines and lines[0].startswith(title), stdout
-    assert lines[1].startswith("target: rpcdist's PS training throughput (a) at least 1.0x torch's"), lines[1]
-    assert re.search(r"met: (yes|NO|-)$", lines[1]), lines[1]
+    for line, trainers in ((lines[1], 2), (lines[2], 4)):
+        target = f"target: rpcdist's PS training throughput with {trainers} trainers at least 1.3x"
+        assert line.startswith(target), line
+        assert re.search(r"met: (yes|NO|-)$", line), line
     header = next((ln for ln in lines if ln.startswith("metric ")), None)
     assert header is not None, stdout
     for column in HEADER_COLUMNS:
@@ -102,7 +114,7 @@ def test_quick_bench_prints_full_table(tmp_path: Path) -> None:
 
     doc = json.loads(out_json.read_text())
     assert {(r["system"], r["scenario"]) for r in doc["rounds"]} == {
-        (s, sc) for s in ("torch", "rpcdist") for sc in ("ps", "pipeline")
+        (s, sc) for s in ("torch", "rpcdist") for sc in ("ps", "ps4", "pipeline")
     }
     assert set(doc["summary"]) == ROW_IDS
     for rnd in doc["rounds"]:
@@ -129,6 +141,7 @@ def test_failure_and_hang_are_reported(tmp_path: Path) -> None:
     for label in ROWS:
         assert table_row(lines, label)[1] == "-", (label, stdout)  # torch did not run
     assert table_row(lines, "(a) PS training, 2 trainers: aggregate rate")[2] == "ERR", stdout
+    assert table_row(lines, "(a) PS training, 4 trainers: aggregate rate")[2] == "ERR", stdout
     assert table_row(lines, "(b) distributed autograd overhead per iteration")[2] == "HANG", stdout
 
     failures = stdout[stdout.index("failures") :]

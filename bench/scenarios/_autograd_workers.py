@@ -135,8 +135,13 @@ def _modules(system: str) -> tuple[Any, Any, Any]:
     return rpc, dist_autograd, DistributedOptimizer
 
 
+def is_ps(scenario: str) -> bool:
+    """"ps" (2 trainers) and "ps4" (4 trainers) are the same parameter-server workload."""
+    return scenario.startswith("ps")
+
+
 def worker_name(scenario: str, rank: int) -> str:
-    if scenario == "ps":
+    if is_ps(scenario):
         return "ps" if rank == 0 else f"trainer{rank}"
     return "driver" if rank == 0 else "stage2"
 
@@ -192,7 +197,7 @@ def rank_main(
     phases = _Phases(system, rank, world, conn, cfg)
     dims = cfg["dims"]
     # The model exists before the group does, so no call can arrive before it.
-    if scenario == "ps" and rank == 0:
+    if is_ps(scenario) and rank == 0:
         _MODEL = _mlp(dims, cfg["seed"])
     elif scenario == "pipeline" and rank == 1:
         _STAGE2 = _mlp(dims[1:], cfg["seed"] + 1)
@@ -206,11 +211,11 @@ def rank_main(
         return {}
 
     phases.run("init", init, budget=cfg["init_budget"])
-    if rank == 0 and scenario == "ps" or rank == 1 and scenario == "pipeline":
+    if rank == 0 and is_ps(scenario) or rank == 1 and scenario == "pipeline":
         # A server: it answers calls until the others shut the group down (bounded by the
         # orchestrator's own deadline for the whole group).
         pass
-    elif scenario == "ps":
+    elif is_ps(scenario):
         _trainer(system, rank, rpc, dist_autograd, DistributedOptimizer, phases, cfg)
     else:
         _driver(system, rpc, dist_autograd, phases, cfg)
@@ -220,7 +225,7 @@ def rank_main(
 
 
 def _serves(scenario: str, rank: int) -> bool:
-    return (scenario == "ps" and rank == 0) or (scenario == "pipeline" and rank == 1)
+    return (is_ps(scenario) and rank == 0) or (scenario == "pipeline" and rank == 1)
 
 
 def _batches(cfg: dict[str, Any], seed: int) -> list[tuple[Any, Any]]:

@@ -81,11 +81,19 @@ def rpc_worker(
     if system == "torch":
         import torch.distributed.rpc as rpc
 
-        options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)  # TensorPipe defaults
+        if cfg.get("path") == "cross-host":  # what crosses a network: TCP only
+            options = rpc.TensorPipeRpcBackendOptions(
+                init_method=init_method, _transports=["uv"], _channels=["basic"]
+            )
+        else:
+            options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)  # TensorPipe defaults
     elif system == "rpcdist":
         import rpcdist.rpc as rpc
 
-        options = rpc.RpcBackendOptions(init_method=init_method)
+        if cfg.get("path") == "cross-host":  # gRPC links, no shared memory
+            options = rpc.RpcBackendOptions(init_method=init_method, transport="grpc", shm_threshold_bytes=0)
+        else:
+            options = rpc.RpcBackendOptions(init_method=init_method)
     else:
         raise ValueError(system)
 

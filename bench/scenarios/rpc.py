@@ -30,12 +30,16 @@ Measured per round (medians over many calls, then the median over rounds is prin
   grpc.aio raw: the same unary round trip / 64-in-flight / one-way sends as bytes in, bytes
       out (generic handlers, no protobuf), and one 64 MB client stream in 1 MB chunks.
 
+``--path cross-host`` makes both systems use what crosses a network even on one host (torch:
+TensorPipe's uv transport and basic channel; rpcdist: gRPC links, no shared memory).
+
 Progress goes to stderr, the table to stdout; ``--json`` also writes every per-round number and
 every failure (with tracebacks and, for hangs, all threads' stacks).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -52,6 +56,8 @@ from scenarios import _rpc_workers as W
 
 Row = dict[str, Any]
 
+PATHS = {"same-host", "cross-host"}
+
 
 class Rpc(Scenario):
     name = "rpc"
@@ -67,6 +73,20 @@ class Rpc(Scenario):
     right = {2, 3, 4, 7, 8}
     per_round_heading = "per-round medians, in run order:"
     failures_heading = "failures (full tracebacks on stderr and in --json):"
+
+    def add_args(self, ap: argparse.ArgumentParser) -> None:
+        ap.add_argument(
+            "--path",
+            choices=sorted(PATHS),
+            default="same-host",
+            help="same-host: each system's defaults (torch: shm/cma channels; rpcdist: Unix socket "
+            "and shared memory); cross-host: what crosses a network (torch "
+            "_transports=['uv'], _channels=['basic']; rpcdist transport='grpc', "
+            "shm_threshold_bytes=0)",
+        )
+
+    def apply_args(self, cfg: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+        cfg["path"] = args.path
 
     def make_config(self, quick: bool) -> dict[str, Any]:
         if quick:
@@ -341,9 +361,16 @@ class Rpc(Scenario):
 
     def title_lines(self, meta: dict[str, Any], agg: dict[str, Any]) -> list[str]:
         quick = " (--quick)" if meta["quick"] else ""
+        if meta["cfg"].get("path") == "cross-host":
+            systems = (
+                "cross-host path: rpcdist (gRPC links, no shared memory) vs torch.distributed.rpc "
+                "(TensorPipe uv transport, basic channel)"
+            )
+        else:
+            systems = "rpcdist vs torch.distributed.rpc (TensorPipe defaults)"
         return [
-            "rpcdist vs torch.distributed.rpc (TensorPipe defaults) vs raw grpc.aio, 2 processes on "
-            f"127.0.0.1: medians over {meta['repeats']} interleaved round(s) per system{quick}"
+            f"{systems} vs raw grpc.aio, 2 processes on 127.0.0.1: medians over "
+            f"{meta['repeats']} interleaved round(s) per system{quick}"
         ]
 
     def notes(self, meta: dict[str, Any]) -> list[str]:
