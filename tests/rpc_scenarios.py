@@ -299,6 +299,10 @@ def data_transport(rank: int, world_size: int, init_method: str, workdir: str, *
     init(rank, world_size, init_method, **opts)
     if rank == 0:
         _transport_checks()
+        with check("transport/link_kind") as c:  # what carried them (links are internal)
+            from rpcdist.agent import current_agent
+
+            c.value = type(current_agent().transport.existing_link(1)).__name__
     finish(rank, world_size)
 
 

@@ -3,9 +3,10 @@ rpc_async and remote), non-contiguous tensors, nested containers with numpy arra
 tensors, a 256 MiB tensor, 1,000 calls in flight; WorkerInfo as destination; RRefs; the
 Future API; async functions, blocking functions and @async_execution with the blocking API.
 
-Two launches of two worker processes: ``run`` runs every check with default options (large
+Three launches of two worker processes: ``run`` runs every check with default options (large
 buffers between these co-located workers go through shared memory); ``grpc_only`` repeats the
-transport checks with shared memory turned off, so everything travels on the gRPC stream.
+transport checks with shared memory turned off, so everything travels on the gRPC stream;
+``tcp_only`` the same on framed TCP links (``transport="tcp"``).
 Each test asserts one recorded check (see ``rpc_scenarios``).
 """
 
@@ -42,9 +43,21 @@ def grpc_only(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
     )
 
 
-@pytest.fixture(params=["default", "grpc_only"])
+@pytest.fixture(scope="module")
+def tcp_only(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return run_group(
+        tmp_path_factory.mktemp("data_tcp"),
+        "data_transport",
+        2,
+        "tcp",
+        params={"shm_threshold_bytes": 0, "transport": "tcp"},
+        timeout=300,
+    )
+
+
+@pytest.fixture(params=["default", "grpc_only", "tcp_only"])
 def transport(request: pytest.FixtureRequest) -> GroupRun:
-    return request.getfixturevalue("run" if request.param == "default" else "grpc_only")
+    return request.getfixturevalue("run" if request.param == "default" else request.param)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,3 +151,10 @@ def test_clean_exit(transport: GroupRun) -> None:
 
 def test_no_shared_memory_left_behind(transport: GroupRun) -> None:
     transport.assert_no_shm_leftovers()
+
+
+@pytest.mark.parametrize(("fixture", "kind"), [("grpc_only", "GrpcLink"), ("tcp_only", "TcpLink")])
+def test_the_checks_travelled_on_the_chosen_carrier(
+    request: pytest.FixtureRequest, fixture: str, kind: str
+) -> None:
+    assert request.getfixturevalue(fixture).check("transport/link_kind") == kind

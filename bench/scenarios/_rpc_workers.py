@@ -90,8 +90,9 @@ def rpc_worker(
     elif system == "rpcdist":
         import rpcdist.rpc as rpc
 
-        if cfg.get("path") == "cross-host":  # gRPC links, no shared memory
-            options = rpc.RpcBackendOptions(init_method=init_method, transport="grpc", shm_threshold_bytes=0)
+        if cfg.get("path") == "cross-host":  # gRPC (or framed TCP) links, no shared memory
+            carrier = cfg.get("cross_host_carrier", "grpc")
+            options = rpc.RpcBackendOptions(init_method=init_method, transport=carrier, shm_threshold_bytes=0)
         else:
             options = rpc.RpcBackendOptions(init_method=init_method)
     else:

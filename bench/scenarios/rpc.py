@@ -85,8 +85,17 @@ class Rpc(Scenario):
             "shm_threshold_bytes=0)",
         )
 
+        ap.add_argument(
+            "--cross-host-carrier",
+            choices=("grpc", "tcp"),
+            default="grpc",
+            help="rpcdist's carrier on the cross-host path: gRPC streams (default) or framed TCP "
+            "(transport='tcp')",
+        )
+
     def apply_args(self, cfg: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         cfg["path"] = args.path
+        cfg["cross_host_carrier"] = args.cross_host_carrier
 
     def make_config(self, quick: bool) -> dict[str, Any]:
         if quick:
@@ -362,8 +371,9 @@ class Rpc(Scenario):
     def title_lines(self, meta: dict[str, Any], agg: dict[str, Any]) -> list[str]:
         quick = " (--quick)" if meta["quick"] else ""
         if meta["cfg"].get("path") == "cross-host":
+            carrier = "framed TCP" if meta["cfg"].get("cross_host_carrier") == "tcp" else "gRPC"
             systems = (
-                "cross-host path: rpcdist (gRPC links, no shared memory) vs torch.distributed.rpc "
+                f"cross-host path: rpcdist ({carrier} links, no shared memory) vs torch.distributed.rpc "
                 "(TensorPipe uv transport, basic channel)"
             )
         else:

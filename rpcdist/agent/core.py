@@ -76,6 +76,7 @@ class Agent:
             self.callee.new_session,
             shm_threshold_bytes=options.shm_threshold_bytes,
             unix_sockets=options.transport != "grpc",
+            tcp_links=options.transport == "tcp",
             heartbeat_interval=options.heartbeat_interval,
             heartbeat_misses=options.heartbeat_misses,
         )

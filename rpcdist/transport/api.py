@@ -49,6 +49,7 @@ class PeerAddress:
     grpc_address: str
     unix_path: str = ""
     colocated: bool = False  # shares this host's /dev/shm (shared memory and the socket reach it)
+    tcp_address: str = ""  # its framed-TCP server, if it runs one (transport="tcp")
 
 
 class LinkHandler(Protocol):

@@ -18,6 +18,7 @@ over the Unix socket with large buffers handed over through shared memory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ import grpc
 from rpcdist.transport import shm
 from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory, Write
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, GrpcLink, exchange_handler
+from rpcdist.transport.tcp_link import TcpLink, serve_tcp
 from rpcdist.transport.unix_link import UnixLink, serve_unix
 from rpcdist.transport.writer import FrameWriter
 
@@ -41,7 +43,8 @@ class Transport(LinkHandler):
     ``handler`` gets the frames that come back on outgoing links and their loss;
     ``make_session`` makes the session of each incoming connection. ``shm_threshold_bytes``
     (0: off) is the size from which buffers for co-located peers go through shared memory;
-    ``unix_sockets=False`` keeps every peer on gRPC.
+    ``unix_sockets=False`` keeps every peer on gRPC; ``tcp_links=True`` reaches peers on other
+    hosts over framed TCP instead of gRPC (both sides serve it).
 
     Heartbeats (gRPC links; a co-located peer's socket closes when it dies): a link the peer
     has been quiet on for ``heartbeat_interval`` seconds gets an empty frame, which the peer
@@ -59,6 +62,7 @@ class Transport(LinkHandler):
         *,
         shm_threshold_bytes: int = 4 << 20,
         unix_sockets: bool = True,
+        tcp_links: bool = False,
         heartbeat_interval: float = 1.0,
         heartbeat_misses: int = 3,
     ) -> None:
@@ -73,6 +77,9 @@ class Transport(LinkHandler):
         self._unresponsive: set[int] = set()
         self.shm_threshold_bytes = shm_threshold_bytes
         self._unix_sockets = unix_sockets
+        self._tcp_links = tcp_links
+        self._tcp_server: asyncio.AbstractServer | None = None
+        self.tcp_port = 0
         self.shm_probe = shm.create_probe() if shm_threshold_bytes > 0 else ""
         self.slots = shm.SlotPool()
         self.peers: dict[int, PeerAddress] = {}
@@ -99,6 +106,8 @@ class Transport(LinkHandler):
                 self.unix_path = path
             except OSError as exc:
                 log.info("no Unix-socket transport (%s); co-located peers use gRPC", exc)
+        if self._tcp_links:
+            self._tcp_server, self.tcp_port = await serve_tcp(host, self._accept)
         if self.heartbeat_interval > 0:
             self._heartbeats = asyncio.get_running_loop().create_task(
                 self._beat(), name=f"rpcdist-heartbeats-{self.name}"
@@ -146,6 +155,7 @@ class Transport(LinkHandler):
             "address": f"{advertise_host}:{self.port}",
             "shm_probe": self.shm_probe,
             "unix": self.unix_path,
+            "tcp": f"{advertise_host}:{self.tcp_port}" if self.tcp_port else "",
         }
 
     @staticmethod
@@ -154,13 +164,15 @@ class Transport(LinkHandler):
     ) -> PeerAddress:
         """The :class:`PeerAddress` of a peer from its published card."""
         colocated = shm.sees_probe(card.get("shm_probe", "")) if probe_seen is None else probe_seen
-        return PeerAddress(rank, name, card.get("address", ""), card.get("unix", ""), colocated)
+        return PeerAddress(
+            rank, name, card.get("address", ""), card.get("unix", ""), colocated, card.get("tcp", "")
+        )
 
     def set_peers(self, peers: Sequence[PeerAddress]) -> None:
         """Learn how to reach every peer (co-location counts only if this side uses shm)."""
         for peer in peers:
             if peer.colocated and not self.shm_probe:
-                peer = PeerAddress(peer.rank, peer.name, peer.grpc_address, peer.unix_path, False)
+                peer = dataclasses.replace(peer, colocated=False)
             self.peers[peer.rank] = peer
 
     def forget_peer(self, rank: int) -> None:
@@ -187,6 +199,8 @@ class Transport(LinkHandler):
             peer = self.peers[rank]
             if peer.unix_path and peer.colocated and self._unix_sockets:
                 link = UnixLink(self, peer, peer.unix_path)
+            elif peer.tcp_address and self._tcp_links:
+                link = TcpLink(self, peer, peer.tcp_address)
             else:
                 link = GrpcLink(self, peer, peer.grpc_address)
             if rank in self._unresponsive:  # one heartbeat's grace (see _beat)
@@ -274,6 +288,8 @@ class Transport(LinkHandler):
         if self._unix_server is not None:
             self._unix_server.close()
             shm.remove_socket(self.unix_path)
+        if self._tcp_server is not None:
+            self._tcp_server.close()
         if self._server is not None:
             await self._server.stop(grace=1.0 if graceful else None)
             self._server = None  # its handlers refer back to the sessions' owner

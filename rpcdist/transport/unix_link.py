@@ -160,13 +160,15 @@ class UnixLink(Link):
         )
         self._eof = asyncio.Event()
 
-    async def _connect(self, path: str) -> _FramedProtocol:
-        loop = asyncio.get_running_loop()
-        _, protocol = await loop.create_unix_connection(
-            lambda: _FramedProtocol(lambda raw: self.handler.on_frame(self, raw), self._peer_done), path
+    async def _connect(self, address: str) -> _FramedProtocol:
+        _, protocol = await self._open(
+            lambda: _FramedProtocol(lambda raw: self.handler.on_frame(self, raw), self._peer_done), address
         )
         self._protocol = protocol
         return protocol
+
+    async def _open(self, factory: Callable[[], _FramedProtocol], path: str) -> tuple[Any, _FramedProtocol]:
+        return await asyncio.get_running_loop().create_unix_connection(factory, path)
 
     def _peer_done(self) -> None:
         """The callee closed its side: it has sent every reply it ever will (it answers all of
@@ -230,6 +232,11 @@ class UnixLink(Link):
 
 async def serve_unix(path: str, accept: Accept) -> asyncio.AbstractServer:
     """Accept co-located callers on the Unix socket ``path``."""
+    return await asyncio.get_running_loop().create_unix_server(connection_factory(accept), path)
+
+
+def connection_factory(accept: Accept) -> Callable[[], _FramedProtocol]:
+    """The protocol factory of a server of framed streams (Unix or TCP sockets)."""
     loop = asyncio.get_running_loop()
 
     def connection() -> _FramedProtocol:
@@ -246,7 +253,7 @@ async def serve_unix(path: str, accept: Accept) -> asyncio.AbstractServer:
         protocol.lost.add_done_callback(lambda _: holder["session"].cleanup())
         return protocol
 
-    return await loop.create_unix_server(connection, path)
+    return connection
 
 
 async def _finish(session: Session, protocol: _FramedProtocol) -> None:
