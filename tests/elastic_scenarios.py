@@ -71,7 +71,10 @@ def _train_steps(steps: int) -> float:
     """``steps`` steps of distributed autograd + DistributedOptimizer on the PS's model."""
     params = rpc.rpc_sync("ps", ps_params, timeout=CALL_TIMEOUT)
     optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
-    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    # One fixed batch for every trainer: each step anyone takes lowers the loss on it, so a
+    # later loss can be compared with an earlier one (fresh random batches made that a coin toss).
+    seeded = torch.Generator().manual_seed(1234)
+    x, y = torch.randn(16, 4, generator=seeded), torch.randn(16, 2, generator=seeded)
     loss = torch.tensor(0.0)
     for _ in range(steps):
         with dist_autograd.context() as context_id:
