@@ -31,28 +31,26 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
     return run_group(tmp_path_factory.mktemp("data"), "data", 2, "env", timeout=300)
 
 
-@pytest.fixture(scope="module")
-def grpc_only(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+def _transport_checks_on(tmp_path_factory: pytest.TempPathFactory, carrier: str) -> GroupRun:
+    """The transport checks with shared memory off, every byte on ``carrier``'s links."""
     return run_group(
-        tmp_path_factory.mktemp("data_grpc"),
+        tmp_path_factory.mktemp(f"data_{carrier}"),
         "data_transport",
         2,
         "tcp",
-        params={"shm_threshold_bytes": 0, "transport": "grpc"},
+        params={"shm_threshold_bytes": 0, "transport": carrier},
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def grpc_only(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return _transport_checks_on(tmp_path_factory, "grpc")
 
 
 @pytest.fixture(scope="module")
 def tcp_only(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
-    return run_group(
-        tmp_path_factory.mktemp("data_tcp"),
-        "data_transport",
-        2,
-        "tcp",
-        params={"shm_threshold_bytes": 0, "transport": "tcp"},
-        timeout=300,
-    )
+    return _transport_checks_on(tmp_path_factory, "tcp")
 
 
 @pytest.fixture(params=["default", "grpc_only", "tcp_only"])

@@ -58,6 +58,7 @@ from _harness import log
 from scenarios import _autograd_workers as W
 
 WORLD = {"ps": 3, "ps4": 5, "pipeline": 2}  # processes per workload (ps4: the PS with 4 trainers)
+PS_WORKLOADS = [workload for workload in WORLD if W.is_ps(workload)]
 TARGET = 1.3  # rpcdist's PS training throughput, as a multiple of torch's, aimed for (issue 9)
 
 
@@ -227,7 +228,7 @@ class Autograd(Scenario):
             return {"id": rid, "scenario": workload, "label": label, "unit": unit, "better": better, **kw}
 
         ps_rows = []
-        for workload in ("ps", "ps4"):
+        for workload in PS_WORKLOADS:
             trainers = WORLD[workload] - 1
             ps_rows += [
                 row(
@@ -273,7 +274,7 @@ class Autograd(Scenario):
             f"DistributedOptimizer (TensorPipe defaults), 127.0.0.1: medians over {meta['repeats']} "
             f"interleaved round(s) per system and scenario{quick}",
         ]
-        for workload in ("ps", "ps4"):
+        for workload in PS_WORKLOADS:
             head = agg.get(f"{workload}_steps_per_s")
             got = ratio(head["rpcdist"]["median"], head["torch"]["median"]) if head else None
             met = "-" if got is None else ("yes" if got >= TARGET else "NO")
