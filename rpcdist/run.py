@@ -28,15 +28,27 @@ Several nodes
 The launchers agree on node ranks through a rendezvous store at ``--rdzv-endpoint`` (torchrun's
 default port 29400; without it, ``--master-addr:--master-port`` as torchrun's static
 rendezvous). The node given ``--node-rank 0``, or else the one whose own address is the
-endpoint's host, serves it (``--rdzv-conf is_host=1`` forces it); the others connect. Nodes
-without ``--node-rank`` get the free node ranks, the hosting node first (it normally joins
-first anyway: the others wait for its store), then in the order they joined. ``--nnodes MIN:MAX``
+endpoint's host, serves it (``--rdzv-conf is_host=1`` forces it); the others connect (so does
+a node whose machine already has another launcher serving the endpoint). Nodes without
+``--node-rank`` get the free node ranks, the hosting node first (it normally joins first
+anyway: the others wait for its store), then in the order they joined. ``--nnodes MIN:MAX``
 starts once MIN nodes joined, after a last-call window (``--rdzv-conf last_call_timeout=S``,
-default 30 s) for more, up to MAX; the group is then fixed for the round: re-forming it when
-nodes come or go needs elastic membership, which this launcher does not do (a node arriving
-after the start is turned away). ``--rdzv-conf join_timeout=S`` (default 600 s) bounds the
+default 30 s) for more, up to MAX. ``--rdzv-conf join_timeout=S`` (default 600 s) bounds the
 wait for nodes. The node hosting the rendezvous also serves the workers' store, and keeps it
 until every node's workers are done.
+
+Nodes that come and go (``--nnodes MIN:MAX``, MIN < MAX)
+--------------------------------------------------------
+The group re-forms, as torchrun's does, in a new round (every worker stopped and started again
+with the new ``WORLD_SIZE``, ranks and store) when: a node arrives while the group has fewer
+than MAX nodes (it waits for that next round); a node leaves on a signal (SIGINT/SIGTERM/...:
+the others go on without it); or a node vanishes (its launcher killed, its host gone): every
+node bumps a counter in the rendezvous store each ``keep_alive_interval`` s (default 5), and
+one whose counter stands still for ``keep_alive_max_attempt`` (3) intervals is left out.
+None of these is a failure: ``TORCHELASTIC_RESTART_COUNT`` stays and no restart is used. A
+re-formed round ends its last call as soon as every node of the previous group that did not
+leave is back. The node that hosts the rendezvous cannot leave without ending the run (its
+store goes with it).
 
 Failures, restarts, signals
 ---------------------------
@@ -99,6 +111,13 @@ WATCH_CONNECT_TIMEOUT = 10.0  # a rendezvous store gone silent this long while w
 TAIL_LINES = 200
 TRACEBACK_LINES = 40
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+RDZV_CONF_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "is_host",
+)
 
 
 class LaunchError(RpcdistError):
@@ -125,6 +144,8 @@ class LaunchConfig:
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     is_host: bool | None = None
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
     term_timeout: float = 30.0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
@@ -133,6 +154,11 @@ class LaunchConfig:
     def single_node(self) -> bool:
         """Whether the run has one node only (no rendezvous with other launchers)."""
         return self.max_nodes == 1
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the group may grow and shrink between rounds (``--nnodes MIN:MAX``, MIN < MAX)."""
+        return self.min_nodes < self.max_nodes
 
     @property
     def rdzv_endpoint(self) -> str:
@@ -163,7 +189,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=["rpcdist", "c10d", "static"],
         help="accepted for torchrun command lines: nodes always meet through rpcdist's store",
     )
-    option("--rdzv-conf", default="", help="join_timeout=S,last_call_timeout=S,is_host=0|1")
+    option(
+        "--rdzv-conf",
+        default="",
+        help="join_timeout=S,last_call_timeout=S,keep_alive_interval=S,keep_alive_max_attempt=N,is_host=0|1",
+    )
     option("--standalone", action="store_true", help="a single node, on free local ports")
     option("--max-restarts", type=int, default=0, help="restarts of the group after a failure (default 0)")
     option("--monitor-interval", type=float, default=0.1, help="seconds between checks on the other nodes")
@@ -268,11 +298,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.node_rank is not None and not 0 <= args.node_rank < max_nodes:
         raise LaunchError(f"--node-rank {args.node_rank} is outside [0, {max_nodes})")
     conf = _parse_rdzv_conf(args.rdzv_conf)
-    unknown = sorted(set(conf) - {"join_timeout", "last_call_timeout", "is_host"})
+    unknown = sorted(set(conf) - set(RDZV_CONF_KEYS))
     if unknown:
-        log.warning(
-            "--rdzv-conf: ignoring %s (rpcdist-run knows join_timeout, last_call_timeout, is_host)", unknown
-        )
+        log.warning("--rdzv-conf: ignoring %s (rpcdist-run knows %s)", unknown, ", ".join(RDZV_CONF_KEYS))
+    try:
+        keep_alive = float(conf.get("keep_alive_interval", 5.0))
+        keep_alive_attempts = int(conf.get("keep_alive_max_attempt", 3))
+    except ValueError:
+        raise LaunchError(f"--rdzv-conf {args.rdzv_conf!r}: keep_alive_* must be numbers") from None
+    if keep_alive <= 0 or keep_alive_attempts < 1:
+        raise LaunchError("--rdzv-conf: keep_alive_interval must be > 0 and keep_alive_max_attempt >= 1")
     if args.rdzv_endpoint:
         rdzv_host, rdzv_port = _parse_endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT)
     else:  # torchrun's static rendezvous: the master address is the meeting point
@@ -295,6 +330,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         join_timeout=float(conf.get("join_timeout", 600.0)),
         last_call_timeout=float(conf.get("last_call_timeout", 30.0)),
         is_host=_truthy(conf["is_host"]) if "is_host" in conf else None,
+        keep_alive_interval=keep_alive,
+        keep_alive_max_attempt=keep_alive_attempts,
         term_timeout=args.term_timeout,
         master_addr=args.master_addr,
         master_port=args.master_port if single else None,
@@ -468,8 +505,14 @@ async def _pump_stderr(stream: asyncio.StreamReader, worker: Worker) -> None:
 # ============================================================================ rendezvous
 @dataclass(frozen=True)
 class RoundPlan:
-    """What the nodes agreed for one round: this node's place, the world, the workers' store."""
+    """What the nodes agreed for one round: this node's place, the world, the workers' store.
 
+    ``round`` numbers every formation of the group; ``restart`` counts only those caused by a
+    failure (TORCHELASTIC_RESTART_COUNT): a group re-formed because nodes came or went keeps it.
+    ``members`` are the nodes' ids by node rank.
+    """
+
+    round: int
     restart: int
     node_rank: int
     nnodes: int
@@ -478,6 +521,8 @@ class RoundPlan:
     master_addr: str
     master_port: int
     max_restarts: int
+    members: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
 
 
 def _is_local_address(host: str) -> bool:
@@ -540,8 +585,10 @@ class NodeRendezvous:
 
     Keys, under ``rpcdist-run/<run id>/r<round>/``: ``joined`` (counter), ``node/<i>`` (the
     i-th node to join), ``group`` (written by the hosting node: the round's plan), ``failed``
-    (the first failure of the round), ``done`` (counter of nodes whose workers succeeded),
-    ``exit/<node rank>`` (a node's final status).
+    (the first event that ends the round: a failure, a stop, or a re-forming of the group),
+    ``done`` (counter of nodes whose workers succeeded), ``exit/<node rank>`` (a node's final
+    status). Beside them: ``latest`` (the newest round with a group) and ``beat/<node id>``
+    (a counter each node bumps every ``keep_alive_interval`` while it lives).
     """
 
     def __init__(self, config: LaunchConfig) -> None:
@@ -554,6 +601,8 @@ class NodeRendezvous:
         self._kv: Store | None = None  # joins: waits as long as join_timeout
         self._watch: Store | None = None  # everything else: gives up on a silent store quickly
         self._join_index = 0
+        self.node_id = uuid.uuid4().hex[:12]
+        self._beating: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         """Host the rendezvous store, or connect to the node that does."""
@@ -569,7 +618,9 @@ class NodeRendezvous:
         if wants_host is None:
             wants_host = cfg.node_rank == 0 or (cfg.node_rank is None and _is_local_address(cfg.rdzv_host))
         bind = cfg.rdzv_host if is_loopback(cfg.rdzv_host) else "0.0.0.0"
-        chosen = cfg.node_rank == 0 or bool(cfg.is_host)  # told to host, not guessing
+        # Only is_host=1 insists: another launcher on this machine (with or without a node
+        # rank) may have bound the endpoint first, and node rank 0 need not host it.
+        chosen = bool(cfg.is_host)
         if wants_host and not chosen and not _port_free(bind, cfg.rdzv_port):
             log.info("rendezvous port %d is taken here: joining as a client", cfg.rdzv_port)
             wants_host = False  # another launcher on this machine hosts it
@@ -589,6 +640,21 @@ class NodeRendezvous:
         )
         self._clients += [joiner, watcher]
         self._kv, self._watch = PrefixStore(prefix, joiner), PrefixStore(prefix, watcher)
+        if cfg.elastic:
+            self._beating = asyncio.ensure_future(self._beat())
+
+    async def _beat(self) -> None:
+        """Tell the other nodes this one lives, every ``keep_alive_interval`` s."""
+        while not self.lost:
+            await self._guarded("beating", lambda store: store.add_async(f"beat/{self.node_id}", 1), None)
+            await asyncio.sleep(self.config.keep_alive_interval)
+
+    async def first_round(self) -> int:
+        """The round a node joins at start: the one after the newest round that has a group
+        (a node arriving while the others run waits for the next re-forming), else 0."""
+        if self.config.single_node or not await self.kv.check_async(["latest"]):
+            return 0
+        return int(await self.kv.get_async("latest")) + 1
 
     @property
     def kv(self) -> Store:
@@ -596,21 +662,32 @@ class NodeRendezvous:
         return self._kv
 
     # -- joining a round -------------------------------------------------------------------------
-    async def join(self, restart: int) -> RoundPlan:
-        """Join round ``restart`` and wait until the hosting node has closed it."""
+    async def join(
+        self, round_: int, restart: int, expected: frozenset[str] = frozenset()
+    ) -> RoundPlan | None:
+        """Join round ``round_`` and wait until the hosting node has closed it. None when it
+        started without this node and the group is elastic (join the next one then).
+
+        ``restart`` and ``expected`` matter on the hosting node only: the restart count the round
+        gets, and the nodes (ids) it should wait for before its last call ends early."""
         cfg = self.config
-        key = f"r{restart}"
+        key = f"r{round_}"
         try:
             index = await self.kv.add_async(f"{key}/joined", 1)
             self._join_index = index
-            info = {"host": socket.gethostname(), "nproc": cfg.nproc_per_node, "node_rank": cfg.node_rank}
+            info = {
+                "host": socket.gethostname(),
+                "nproc": cfg.nproc_per_node,
+                "node_rank": cfg.node_rank,
+                "id": self.node_id,
+            }
             await self.kv.set_async(f"{key}/node/{index}", json.dumps(info))
             if self.leader:
-                await self._close_round(restart)
+                await self._close_round(round_, restart, expected)
             group = json.loads(await self.kv.get_async(f"{key}/group", cfg.join_timeout))
         except StoreTimeoutError:
             raise LaunchError(
-                f"round {restart} of run {cfg.run_id!r} did not start within {cfg.join_timeout:g} s: "
+                f"round {round_} of run {cfg.run_id!r} did not start within {cfg.join_timeout:g} s: "
                 f"fewer than {cfg.min_nodes} nodes joined at {cfg.rdzv_endpoint}"
             ) from None
         except StoreError as exc:
@@ -619,13 +696,17 @@ class NodeRendezvous:
             raise LaunchError(group["error"])
         mine = next((node for node in group["nodes"] if node["join"] == index), None)
         if mine is None:
+            if cfg.elastic:
+                return None
             raise LaunchError(
-                f"round {restart} of run {cfg.run_id!r} started with {len(group['nodes'])} nodes "
-                f"without this one (--nnodes {cfg.min_nodes}:{cfg.max_nodes}); joining a running group "
-                "needs elastic membership"
+                f"round {round_} of run {cfg.run_id!r} started with {len(group['nodes'])} nodes "
+                f"without this one (--nnodes {cfg.min_nodes}): a fixed-size group takes no late node; "
+                "--nnodes MIN:MAX lets nodes join a running group"
             )
+        by_rank = sorted(group["nodes"], key=lambda node: node["node_rank"])
         return RoundPlan(
-            restart=restart,
+            round=round_,
+            restart=group["restart"],
             node_rank=mine["node_rank"],
             nnodes=len(group["nodes"]),
             rank_offset=mine["rank_offset"],
@@ -633,12 +714,15 @@ class NodeRendezvous:
             master_addr=group["master_addr"],
             master_port=group["master_port"],
             max_restarts=group["max_restarts"],
+            members=tuple(node["id"] for node in by_rank),
+            hosts=tuple(node["host"] for node in by_rank),
         )
 
-    async def _close_round(self, restart: int) -> None:
-        """(Hosting node) wait for MIN nodes, then up to MAX during the last call; fix the
-        group, serve the round's workers' store and publish the plan."""
-        cfg, key = self.config, f"r{restart}"
+    async def _close_round(self, round_: int, restart: int, expected: frozenset[str]) -> None:
+        """(Hosting node) wait for MIN nodes, then up to MAX during the last call (which ends
+        early once every ``expected`` node is back); fix the group, serve the round's workers'
+        store and publish the plan."""
+        cfg, key = self.config, f"r{round_}"
         try:
             await self.kv.wait_async(
                 [f"{key}/node/{i}" for i in range(1, cfg.min_nodes + 1)], cfg.join_timeout
@@ -653,9 +737,10 @@ class NodeRendezvous:
             raise LaunchError(error) from None
         if cfg.max_nodes > cfg.min_nodes:
             last_call = time.monotonic() + cfg.last_call_timeout
-            while (
-                time.monotonic() < last_call and await self.kv.add_async(f"{key}/joined", 0) < cfg.max_nodes
-            ):
+            while time.monotonic() < last_call:
+                joined = await self.kv.add_async(f"{key}/joined", 0)
+                if joined >= cfg.max_nodes or (expected and expected <= await self._ids_joined(key, joined)):
+                    break
                 await asyncio.sleep(min(0.1, max(0.0, last_call - time.monotonic())))
         joined = await self.kv.add_async(f"{key}/joined", 0)
         order = list(range(1, min(joined, cfg.max_nodes) + 1))
@@ -691,17 +776,28 @@ class NodeRendezvous:
             "master_addr": master_addr,
             "master_port": master_port,
             "max_restarts": cfg.max_restarts,
+            "restart": restart,
         }
+        for i in range(count):
+            group["nodes"][i]["id"] = infos[i]["id"]
         await self.kv.set_async(f"{key}/group", json.dumps(group))
+        await self.kv.set_async("latest", str(round_))
         if count > 1:
             log.info(
                 "round %d: %d nodes, %d workers, workers' store at %s:%d",
-                restart,
+                round_,
                 count,
                 offset,
                 master_addr,
                 master_port,
             )
+
+    async def _ids_joined(self, key: str, joined: int) -> set[str]:
+        """The ids of the nodes whose cards are in round ``key`` so far."""
+        cards = [f"{key}/node/{i}" for i in range(1, joined + 1)]
+        # A node counts itself in before it writes its card.
+        present = [card for card in cards if await self.kv.check_async([card])]
+        return {json.loads(await self.kv.get_async(card))["id"] for card in present}
 
     async def _serve_workers_store(self) -> tuple[str, int]:
         """A fresh store for the round's workers (the previous round's is stopped)."""
@@ -731,9 +827,9 @@ class NodeRendezvous:
             )
             return default
 
-    async def failure(self, restart: int) -> dict[str, Any] | None:
-        """The first failure published in round ``restart``, if any."""
-        key = f"r{restart}/failed"
+    async def failure(self, round_: int) -> dict[str, Any] | None:
+        """The first event published in round ``round_`` (failure, stop, re-forming), if any."""
+        key = f"r{round_}/failed"
 
         async def read(store: Store) -> dict[str, Any] | None:
             if not await store.check_async([key]):
@@ -742,22 +838,43 @@ class NodeRendezvous:
 
         return await self._guarded("checking for failures", read, None)
 
-    async def publish_failure(self, restart: int, info: dict[str, Any]) -> dict[str, Any]:
-        """Publish this node's failure; returns the round's first failure (maybe another's)."""
+    async def publish_failure(self, round_: int, info: dict[str, Any]) -> dict[str, Any]:
+        """Publish an event that ends round ``round_``; returns the round's first (maybe another's)."""
         mine = json.dumps(info)
 
         async def publish(store: Store) -> dict[str, Any]:
-            return json.loads(await store.compare_set_async(f"r{restart}/failed", b"", mine))
+            return json.loads(await store.compare_set_async(f"r{round_}/failed", b"", mine))
 
         return await self._guarded("publishing a failure", publish, info)
 
-    async def someone_finished(self, restart: int) -> bool:
-        """Whether a node's workers already finished round ``restart`` (it cannot restart)."""
+    async def someone_finished(self, round_: int) -> bool:
+        """Whether a node's workers already finished round ``round_`` (it cannot restart)."""
 
         async def count(store: Store) -> bool:
-            return await store.add_async(f"r{restart}/done", 0) > 0
+            return await store.add_async(f"r{round_}/done", 0) > 0
 
         return await self._guarded("checking for finished nodes", count, False)
+
+    async def waiting(self, round_: int) -> bool:
+        """Whether a node is waiting to join the round after ``round_``."""
+
+        async def count(store: Store) -> bool:
+            return await store.add_async(f"r{round_ + 1}/joined", 0) > 0
+
+        return await self._guarded("checking for joining nodes", count, False)
+
+    async def beats(self, plan: RoundPlan) -> dict[str, int]:
+        """The beat counters of the round's other nodes that have not ended their part of it."""
+
+        async def read(store: Store) -> dict[str, int]:
+            counts = {}
+            for node_rank, node_id in enumerate(plan.members):
+                ended = await store.check_async([f"r{plan.round}/exit/{node_rank}"])
+                if node_id != self.node_id and not ended:
+                    counts[node_id] = await store.add_async(f"beat/{node_id}", 0)
+            return counts
+
+        return await self._guarded("reading the other nodes' beats", read, {})
 
     async def finish(self, plan: RoundPlan, status: int) -> None:
         """Record this node's final status; the hosting node then keeps serving (the workers'
@@ -767,25 +884,28 @@ class NodeRendezvous:
 
         async def record(store: Store) -> None:
             if status == 0:
-                await store.add_async(f"r{plan.restart}/done", 1)
-            await store.set_async(f"r{plan.restart}/exit/{plan.node_rank}", str(status))
+                await store.add_async(f"r{plan.round}/done", 1)
+            await store.set_async(f"r{plan.round}/exit/{plan.node_rank}", str(status))
 
         await self._guarded("recording the exit", record, None)
         if not self.leader or plan.nnodes == 1 or self.lost:
             return
-        keys = [f"r{plan.restart}/exit/{n}" for n in range(plan.nnodes)]
+        keys = [f"r{plan.round}/exit/{n}" for n in range(plan.nnodes)]
         # After a success, the others may still be working; otherwise they are only stopping.
         limit = EXIT_BARRIER_TIMEOUT if status == 0 else self.config.term_timeout + 10.0
         try:
             await self.kv.wait_async(keys, limit)
             for n in range(plan.nnodes):
-                other = int(await self.kv.get_async(f"r{plan.restart}/exit/{n}"))
+                other = int(await self.kv.get_async(f"r{plan.round}/exit/{n}"))
                 if other != 0 and n != plan.node_rank:
                     log.warning("node %d finished with status %d", n, other)
         except StoreError as exc:
             log.warning("not every node reported its end (%s): stopping the stores", exc)
 
     async def close(self) -> None:
+        if self._beating is not None:
+            self._beating.cancel()
+            await asyncio.gather(self._beating, return_exceptions=True)
         for client in self._clients:
             with contextlib.suppress(Exception):
                 await client.close_async()
@@ -817,6 +937,7 @@ class LaunchAgent:
         self._main: asyncio.Task[Any] | None = None
         self._running = False  # workers are running: a signal is passed on to them
         self._cancellable = False  # waiting on the other nodes: a signal ends the wait
+        self._next_beat_check = 0.0  # when the round's supervision next reads the nodes' beats
         self._run_dir: Path | None = None
         self._own_run_dir = False
 
@@ -882,13 +1003,19 @@ class LaunchAgent:
             self._own_run_dir = True
 
     async def _rounds(self) -> int:
-        restart = 0
+        restart, expected = 0, frozenset[str]()
+        self._cancellable = True
+        round_ = await self.rdzv.first_round()
         while True:
             self._cancellable = True
-            plan = await self.rdzv.join(restart)
+            plan = await self.rdzv.join(round_, restart, expected)
             self._cancellable = False
             if self._signal is not None:
                 raise asyncio.CancelledError
+            if plan is None:
+                log.info("round %d started without this node: joining the group when it re-forms", round_)
+                round_ += 1
+                continue
             await self._start_workers(plan)
             outcome = await self._supervise(plan)
             if outcome.kind == "succeeded":
@@ -899,11 +1026,17 @@ class LaunchAgent:
                 status = await self._after_signal(plan)
                 await self._finish(plan, status)
                 return status
-            status = await self._after_failure(plan, outcome)
+            status, first = await self._after_failure(plan, outcome)
+            round_, restart = plan.round + 1, plan.restart
+            finished = await self.rdzv.someone_finished(plan.round)
+            if first.get("reform") and not finished and self._signal is None:
+                # Nodes came or went: the same restart count, without the nodes that left.
+                expected = frozenset(plan.members) - frozenset(first.get("left", ()))
+                continue
             can_restart = (
                 plan.restart < plan.max_restarts
-                and not (outcome.remote or {}).get("stop")
-                and not await self.rdzv.someone_finished(plan.restart)
+                and not first.get("stop")
+                and not finished
                 and self._signal is None
             )
             if not can_restart:
@@ -913,7 +1046,7 @@ class LaunchAgent:
                     )
                 await self._finish(plan, status)
                 return status
-            restart += 1
+            restart, expected = restart + 1, frozenset(plan.members)
             log.warning("restarting the workers (restart %d of %d)", restart, plan.max_restarts)
 
     async def _finish(self, plan: RoundPlan, status: int) -> None:
@@ -987,6 +1120,8 @@ class LaunchAgent:
         signalled = asyncio.ensure_future(self._signalled.wait())
         poll: asyncio.Future[dict[str, Any] | None] | None = None
         next_poll = time.monotonic() + self.config.monitor_interval
+        beats_seen: dict[str, tuple[int, float]] = {}
+        self._next_beat_check = 0.0
         try:
             while True:
                 if self._signal is not None:
@@ -1007,7 +1142,7 @@ class LaunchAgent:
                         gone = f"the rendezvous store at {self.config.rdzv_endpoint} is gone"
                         return _Outcome("remote", remote={"stop": True, "reason": gone})
                 if multi and poll is None and not self.rdzv.lost and time.monotonic() >= next_poll:
-                    poll = asyncio.ensure_future(self.rdzv.failure(plan.restart))
+                    poll = asyncio.ensure_future(self._check_round(plan, beats_seen))
                 waiting = pending | {signalled} | ({poll} if poll is not None else set())
                 timeout = max(0.0, next_poll - time.monotonic()) if multi and poll is None else None
                 done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -1018,6 +1153,40 @@ class LaunchAgent:
                 poll.cancel()
             for task in pending:
                 task.cancel()
+
+    async def _check_round(
+        self, plan: RoundPlan, seen: dict[str, tuple[int, float]]
+    ) -> dict[str, Any] | None:
+        """What ends the round, seen from the rendezvous store: the first event another node
+        published; in an elastic run also a node waiting to join (while the group is below
+        MAX) or a node whose beats stopped for ``keep_alive_interval x keep_alive_max_attempt``
+        s (published here as a re-forming of the group). None while nothing does."""
+        cfg = self.config
+        first = await self.rdzv.failure(plan.round)
+        if first is not None or not cfg.elastic:
+            return first
+        if plan.nnodes < cfg.max_nodes and await self.rdzv.waiting(plan.round):
+            event = {"reform": True, "reason": "a node asked to join the group"}
+            return await self.rdzv.publish_failure(plan.round, event)
+        now = time.monotonic()
+        if now < self._next_beat_check:
+            return None
+        self._next_beat_check = now + cfg.keep_alive_interval
+        limit = cfg.keep_alive_interval * cfg.keep_alive_max_attempt
+        silent = []
+        for node_id, count in (await self.rdzv.beats(plan)).items():
+            last = seen.get(node_id)
+            if last is None or last[0] != count:
+                seen[node_id] = (count, now)
+            elif now - last[1] > limit:
+                silent.append(node_id)
+        if not silent:
+            return None
+        names = ", ".join(
+            f"node {plan.members.index(i)} ({plan.hosts[plan.members.index(i)]})" for i in silent
+        )
+        event = {"reform": True, "left": silent, "reason": f"{names} stopped answering for over {limit:g} s"}
+        return await self.rdzv.publish_failure(plan.round, event)
 
     async def _stop_workers(self, sig: int, grace: float) -> None:
         """Send ``sig`` to every worker still running; SIGKILL after ``grace`` s (or at once when
@@ -1066,23 +1235,27 @@ class LaunchAgent:
                 lines.append("  (it wrote nothing to stderr)")
         log.error("%s", "\n".join(lines))
 
-    async def _after_failure(self, plan: RoundPlan, outcome: _Outcome) -> int:
-        """Stop the group, tell the other nodes, report; returns the node's exit status."""
+    async def _after_failure(self, plan: RoundPlan, outcome: _Outcome) -> tuple[int, dict[str, Any]]:
+        """Stop the group, tell the other nodes, report; returns the node's exit status and the
+        event that ended the round (a re-forming of the group is no failure: status 0)."""
         me = {"node_rank": plan.node_rank, "host": socket.gethostname()}
         if outcome.kind == "failed":
             root = outcome.failed[0]
             assert root.returncode is not None
             first = await self.rdzv.publish_failure(
-                plan.restart,
+                plan.round,
                 {**me, "rank": root.rank, "status": describe_returncode(root.returncode)},
             )
         else:
             first = outcome.remote or {}
         await self._stop_workers(signal.SIGTERM, self.config.term_timeout)
+        if first.get("reform"):
+            log.warning("re-forming the group after round %d: %s", plan.round, _describe_remote(first))
+            return 0, first
         if outcome.kind == "failed":
             log.error(
                 "worker failure in round %d (restart %d of max %d):",
-                plan.restart,
+                plan.round,
                 plan.restart,
                 plan.max_restarts,
             )
@@ -1091,18 +1264,21 @@ class LaunchAgent:
             if first.get("node_rank") != plan.node_rank:
                 log.error("the first failure was elsewhere: %s", _describe_remote(first))
             assert outcome.failed[0].returncode is not None
-            return exit_status(outcome.failed[0].returncode) or 1
+            return exit_status(outcome.failed[0].returncode) or 1, first
         log.error("stopping this node's workers: %s", _describe_remote(first))
-        return 1
+        return 1, first
 
     async def _after_signal(self, plan: RoundPlan) -> int:
         assert self._signal is not None
         sig = self._signal
         if not self.config.single_node:
-            await self.rdzv.publish_failure(
-                plan.restart,
-                {"node_rank": plan.node_rank, "stop": True, "reason": f"got {signal.Signals(sig).name}"},
-            )
+            name = signal.Signals(sig).name
+            if self.config.elastic and not self.rdzv.leader:  # the others go on without this node
+                reason = f"node {plan.node_rank} ({socket.gethostname()}) left the group ({name})"
+                event: dict[str, Any] = {"reform": True, "left": [self.rdzv.node_id], "reason": reason}
+            else:  # a fixed group cannot, and without the hosting node's store nobody can
+                event = {"node_rank": plan.node_rank, "stop": True, "reason": f"got {name}"}
+            await self.rdzv.publish_failure(plan.round, event)
         await self._stop_workers(sig, self.config.term_timeout)
         statuses = [exit_status(w.returncode) for w in self.workers if w.returncode is not None]
         status = next((s for s in statuses if s != 0), 0)
@@ -1111,7 +1287,7 @@ class LaunchAgent:
 
 
 def _describe_remote(info: Mapping[str, Any]) -> str:
-    if info.get("node_rank") is None:
+    if info.get("reform") or info.get("node_rank") is None:
         return str(info.get("reason", "another node failed"))
     if info.get("stop"):
         return f"node {info['node_rank']} was stopped ({info.get('reason', 'signal')})"

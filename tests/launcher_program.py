@@ -11,6 +11,8 @@ Modes (each worker writes what it saw into OUT_DIR, named by its RANK):
 - ``sigint``: waits; on SIGINT records it and dies of it.
 - ``sleep``: records its pid and sleeps.
 - ``rpc``: RPC and all_reduce with no init arguments (:func:`init_without_arguments`).
+- ``elastic``: records the group it is in (:func:`mode_elastic`), waits to be stopped when the
+  group re-forms, or for OUT_DIR/finish to name its world size, then does what ``rpc`` does.
 
 Imports only the standard library at module level.
 """
@@ -74,6 +76,9 @@ def mode_restart(out: Path) -> None:
     _write(out, f"rank{rank}.attempt{attempt}.json", seen)
     if attempt == 0:
         if rank == 1:
+            deadline = time.monotonic() + 30  # rank 0 has recorded the round too (a loaded host)
+            while not (out / "rank0.attempt0.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
             print("rank 1 fails on purpose in the first round", file=sys.stderr, flush=True)
             sys.exit(3)
         time.sleep(60)  # stopped by the launcher when rank 1 fails
@@ -145,6 +150,29 @@ def init_without_arguments(out: Path) -> None:
     _write(out, f"rank{rank}.json", result)
 
 
+def mode_elastic(out: Path) -> None:
+    """Write ``seen.<MASTER_PORT>.rank<RANK>.json`` (each round has a store of its own, so the
+    port names the round); then wait until ``finish`` holds this group's world size and run
+    :func:`init_without_arguments` in it. A re-forming group stops it before that (SIGTERM)."""
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    seen = {
+        "rank": rank,
+        "world": world,
+        "group_rank": int(os.environ["GROUP_RANK"]),
+        "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
+        "restart_count": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
+        "pid": os.getpid(),
+    }
+    _write(out, f"seen.{os.environ['MASTER_PORT']}.rank{rank}.json", seen)
+    finish, deadline = out / "finish", time.monotonic() + 150
+    while time.monotonic() < deadline:
+        if finish.exists() and finish.read_text() == str(world):
+            init_without_arguments(out)
+            return
+        time.sleep(0.05)
+    sys.exit(5)
+
+
 MODES = {
     "env": mode_env,
     "restart": mode_restart,
@@ -152,6 +180,7 @@ MODES = {
     "sigint": mode_sigint,
     "sleep": mode_sleep,
     "rpc": init_without_arguments,
+    "elastic": mode_elastic,
 }
 
 

@@ -380,6 +380,61 @@ def test_a_failure_on_one_node_restarts_every_node(tmp_path: Path, forked: list[
     assert logs.count("restarting the workers (restart 1 of 1)") == 2
 
 
+def _new_group(out: Path, world: int, known: list[str], procs: list[Forked], timeout: float = 45.0) -> str:
+    """Wait for a round not in ``known`` whose ``world`` workers all started (launcher_program's
+    ``elastic`` mode); returns its store port, appended to ``known``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for path in out.glob("seen.*.json"):
+            rounds.setdefault(path.name.split(".")[1], []).append(_json(path))
+        for port, seen in rounds.items():
+            if port not in known and len(seen) == world:
+                assert all(s["world"] == world for s in seen), seen
+                known.append(port)
+                return port
+        time.sleep(0.1)
+    logs = "".join(proc.output()[-3000:] for proc in procs)
+    raise AssertionError(f"no new group of {world} workers within {timeout:g} s (known {known}):\n{logs}")
+
+
+@pytest.mark.timeout(240)
+def test_nodes_join_and_leave_a_running_elastic_group(tmp_path: Path, forked: list[Forked]) -> None:
+    """--nnodes 2:3: the group re-forms when a third node arrives, when it leaves on SIGTERM,
+    and when one vanishes (its launcher SIGKILLed: only its beats stopping tell); none of these
+    is a failure (the restart count stays 0). Then the last group of two runs RPC and all_reduce."""
+    out = tmp_path / "out"
+    args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    args += ["--rdzv-id", "grow", "--term-timeout", "5", "--max-restarts", "0"]
+    args += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=0.5,keep_alive_max_attempt=3"]
+    node_a = launch(forked, out, [*args, "--node-rank", "0"], "elastic", name="node_a")
+    node_b = launch(forked, out, args, "elastic", name="node_b")
+    groups: list[str] = []
+    _new_group(out, 2, groups, [node_a, node_b])
+    node_c = launch(forked, out, args, "elastic", name="node_c")
+    _new_group(out, 3, groups, [node_a, node_b, node_c])
+    os.kill(node_c.pid, signal.SIGTERM)
+    assert node_c.wait(30) == 128 + signal.SIGTERM, node_c.output()[-4000:]
+    _new_group(out, 2, groups, [node_a, node_b, node_c])
+    node_d = launch(forked, out, args, "elastic", name="node_d")
+    _new_group(out, 3, groups, [node_a, node_b, node_d])
+    node_d.kill()  # SIGKILL: its worker dies with it, nobody is told
+    _new_group(out, 2, groups, [node_a, node_b])
+    (out / "finish").write_text("2")
+    assert node_a.wait(90) == 0, node_a.output()[-6000:] + node_b.output()[-4000:]
+    assert node_b.wait(30) == 0, node_b.output()[-6000:]
+    for rank in range(2):  # one worker per node: rank = node rank, local rank 0
+        result = _json(out / f"rank{rank}.json")
+        assert result["rpc_rank"] == result["pg_rank"] == rank and result["local_rank"] == 0
+        assert result["rpc_world"] == result["pg_world"] == 2 and result["all_reduce"] == 3.0
+    seen = [_json(path) for path in out.glob("seen.*.json")]
+    assert {s["restart_count"] for s in seen} == {0}
+    assert sorted(s["group_world_size"] for s in seen) == [2] * 6 + [3] * 6
+    logs = node_a.output() + node_b.output()
+    assert "re-forming the group" in logs and "a node asked to join the group" in logs
+    assert "left the group (SIGTERM)" in logs and "stopped answering for over 1.5 s" in logs
+
+
 # ============================================================================ no launcher
 def _init_group(tmp_path: Path, forked: list[Forked], envs: list[dict[str, str]]) -> list[dict[str, Any]]:
     out = tmp_path / "out"
