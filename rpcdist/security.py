@@ -19,6 +19,7 @@ Tokens are compared with :func:`hmac.compare_digest` and never logged; ``repr`` 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import hmac
@@ -48,6 +49,9 @@ __all__ = [
     "ACCEPTED",
     "REFUSED",
     "server_interceptors",
+    "add_arguments",
+    "from_arguments",
+    "to_environment",
     "job_token_path",
     "new_token",
     "publish_job_token",
@@ -284,6 +288,43 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
 def server_interceptors(security: Security, what: str) -> list[grpc.aio.ServerInterceptor]:
     """The interceptors of a gRPC server ``what`` (named in refusals): none without a token."""
     return [_TokenInterceptor(security, what)] if security.token else []
+
+
+# -- the programs' flags ------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--auth-token-file`` and ``--tls-cert/--tls-key/--tls-ca`` (the programs' shared flags)."""
+    parser.add_argument(
+        "--auth-token-file",
+        default=None,
+        help=f"file holding the job's shared token (default: ${TOKEN_ENV} or ${TOKEN_FILE_ENV})",
+    )
+    parser.add_argument("--tls-cert", default=None, help=f"PEM certificate chain (default: ${TLS_CERT_ENV})")
+    parser.add_argument("--tls-key", default=None, help=f"PEM private key (default: ${TLS_KEY_ENV})")
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help=f"PEM CA that peers are verified against: mTLS (default: ${TLS_CA_ENV})",
+    )
+
+
+def from_arguments(args: argparse.Namespace) -> Security:
+    """The :class:`Security` of a program's command line (completed from the environment)."""
+    return Security.resolve(
+        None, args.tls_cert, args.tls_key, args.tls_ca, auth_token_file=args.auth_token_file
+    )
+
+
+def to_environment(security: Security) -> dict[str, str]:
+    """The variables that give a child process these credentials."""
+    env = {TOKEN_ENV: security.token} if security.token else {}
+    for name, value in (
+        (TLS_CERT_ENV, security.tls_cert),
+        (TLS_KEY_ENV, security.tls_key),
+        (TLS_CA_ENV, security.tls_ca),
+    ):
+        if value:
+            env[name] = os.path.abspath(value)
+    return env
 
 
 # -- the job token of a single-host job --------------------------------------------------------

@@ -705,10 +705,15 @@ def _remote_error_details(exc: BaseException) -> dict[str, Any]:
 
 
 async def _raw_exchange(address: str, frame: bytes, timeout: float = 20.0) -> tuple[str, str]:
-    """Send ``frame`` raw on a fresh Exchange stream; returns the final status code and details."""
+    """Send ``frame`` raw on a fresh Exchange stream, with the job's token (as a member would);
+    returns the final status code and details."""
+    agent = rpc_api._agent
+    metadata = agent.transport.security.metadata() if agent is not None else ()
     channel = grpc.aio.insecure_channel(address)
     try:
-        call = channel.stream_stream(EXCHANGE_METHOD, request_serializer=None, response_deserializer=None)()
+        call = channel.stream_stream(EXCHANGE_METHOD, request_serializer=None, response_deserializer=None)(
+            metadata=metadata
+        )
 
         async def talk() -> tuple[str, str]:
             with contextlib.suppress(Exception):
