@@ -243,7 +243,7 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, security: Security, what: str) -> None:
         self._security = security
-        self._what = what
+        self.what = what  # named in refusals (set again once the port is known)
         self._refused = 0
 
     async def intercept_service(
@@ -261,11 +261,11 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         if self._refused <= 3 or self._refused % 1000 == 0:  # never the token; bounded noise
             log.warning(
                 "%s refused a call to %s: missing or wrong auth token (%d so far)",
-                self._what,
+                self.what,
                 method,
                 self._refused,
             )
-        return _refusal(handler, f"{self._what}: missing or wrong auth token for {method}")
+        return _refusal(handler, f"{self.what}: missing or wrong auth token for {method}")
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

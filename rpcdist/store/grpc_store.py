@@ -144,11 +144,20 @@ class GrpcStore(Store):
                 await asyncio.wait_for(channel.channel_ready(), limit)
             except asyncio.TimeoutError:
                 hint = "" if self._security.tls else "; if it serves TLS, set RPCDIST_TLS_CA"
+                why = await self._why_unconnected(self._stub)
                 raise StoreConnectionError(
                     f"the store at {self._target} is unreachable "
-                    f"(no connection within {limit or 0:g} s{hint})"
+                    f"(no connection within {limit or 0:g} s{hint}){why}"
                 ) from None
         return self._stub
+
+    async def _why_unconnected(self, stub: store_pb2_grpc.StoreStub) -> str:
+        """gRPC's reason for the failed connection (a refused TLS handshake, say), from one try."""
+        try:
+            await stub.NumKeys(store_pb2.NumKeysRequest(), timeout=1.0, metadata=self._security.metadata())
+        except grpc.aio.AioRpcError as exc:
+            return f": {exc.code().name}: {exc.details()}"
+        return ""
 
     def _deadline(self, timeout: float) -> float | None:
         return timeout + DEADLINE_SLACK if 0 < timeout < math.inf else None

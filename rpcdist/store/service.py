@@ -317,8 +317,9 @@ class StoreServer:
         security: Security,
         job_token: bool,
     ) -> StoreServer:
+        interceptors = server_interceptors(security, "the store")
         server = grpc.aio.server(
-            interceptors=server_interceptors(security, f"the store on {format_address(host, port)}"),
+            interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -342,6 +343,8 @@ class StoreServer:
                 ) from cause
             why = f": {cause}" if cause is not None else ""
             raise StoreError(f"cannot start the store server on {address}{why}") from cause
+        for interceptor in interceptors:
+            interceptor.what = f"the store on {format_address(host, bound)}"
         made = cls(server, state, health, host, bound, owns_state, security)
         if job_token and security.token:
             publish_job_token(bound, security.token)  # before serving: members find it at once

@@ -103,9 +103,8 @@ class Transport(LinkHandler):
         """Serve incoming links on ``host`` (ephemeral gRPC port) and, when co-located peers
         can use it, a Unix socket; returns the gRPC port."""
         security = self.security
-        self._server = grpc.aio.server(
-            options=CHANNEL_OPTIONS, interceptors=server_interceptors(security, f"worker {self.name}")
-        )
+        interceptors = server_interceptors(security, f"worker {self.name}")
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         self._server.add_generic_rpc_handlers((exchange_handler(self._accept),))
         address = f"[{host}]:0" if ":" in host else f"{host}:0"
         self.port = security.add_port(self._server, address)
