@@ -365,3 +365,40 @@ def test_job_token_file_is_private_and_checked(tmp_path: Path, monkeypatch: pyte
     os.chmod(private_directory(), 0o755)  # a directory others can enter is refused
     with pytest.raises(PermissionError, match="not a private directory"):
         job_token_path(4242)
+
+
+_LAUNCHED_WORKER = r"""
+# A hand-written store client (grpc only: no torch to import): SetRequest{key, value} bytes.
+import os, sys
+import grpc
+
+token = os.environ.get("RPCDIST_AUTH_TOKEN")
+assert token, "the launcher gave no token"
+with grpc.insecure_channel(f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}") as channel:
+    set_key = channel.unary_unary("/rpcdist.v1.Store/Set")
+    try:
+        set_key(b"\x0a\x04evil\x12\x011", timeout=30)
+        sys.exit("the launcher's store accepted a client without the token")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
+    set_key(b"\x0a\x02ok\x12\x011", timeout=30, metadata=(("rpcdist-auth", token),))
+print("launched worker: refused without the token, served with it")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_standalone_launch_guards_its_store(tmp_path: Path) -> None:
+    """rpcdist-run --standalone makes a token for its run: its workers get it, and its store
+    refuses whoever has not."""
+    program = tmp_path / "worker.py"
+    program.write_text(_LAUNCHED_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPCDIST_AUTH")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rpcdist.run", "--standalone", "--nproc-per-node", "1", str(program)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused without the token, served with it" in done.stdout + done.stderr
