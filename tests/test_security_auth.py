@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 import pytest
-from _harness import HOST, GroupRun, Launch, ProcSpec
+from _harness import HOST, GroupRun, Launch, ProcSpec, free_port
 
 from rpcdist import rendezvous as rdv
 from rpcdist import serialization
@@ -402,3 +402,33 @@ def test_a_standalone_launch_guards_its_store(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "refused without the token, served with it" in done.stdout + done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_init_process_group_takes_the_token() -> None:
+    """The collectives' own agent and store use ``init_process_group(auth_token=...)``."""
+    import rpcdist
+    from rpcdist.collectives import group
+
+    port = free_port()
+    rpcdist.init_process_group(
+        "gloo", init_method=f"tcp://{HOST}:{port}", rank=0, world_size=1, auth_token="pg-token-42"
+    )
+    try:
+        state = group._state
+        assert state is not None and state.agent.transport.security.token == "pg-token-42"
+
+        async def probe() -> int:
+            outsider = GrpcStore(HOST, port, timeout=5, security=Security(), job_token=False)
+            member = GrpcStore(HOST, port, timeout=5, security=Security(token="pg-token-42"))
+            try:
+                with pytest.raises(AuthenticationError):
+                    await outsider.num_keys_async()
+                return await member.num_keys_async()
+            finally:
+                await outsider.close_async()
+                await member.close_async()
+
+        assert asyncio.run(probe()) > 0  # the group's registration keys, read with the token
+    finally:
+        rpcdist.destroy_process_group()

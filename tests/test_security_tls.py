@@ -13,13 +13,15 @@ import contextlib
 import json
 import socket
 import ssl
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _harness import HOST, GroupRun, InitMethod, Launch, ProcSpec
 from _tls import make_pki
+from test_durable_store import servers  # noqa: F401 - the rpcdist-server fixture
 
-from rpcdist.errors import StoreConnectionError
+from rpcdist.errors import AuthenticationError, StoreConnectionError
 from rpcdist.security import REFUSED, Security, read_job_token
 from rpcdist.store import GrpcStore, StoreServer
 
@@ -166,3 +168,32 @@ def test_group_over_mtls(tls_group: Any) -> None:
         assert out["tcp_plaintext"] in ("closed", "ConnectionResetError"), out
         assert out["tcp_wrong_token"] == REFUSED.decode(), out
         assert out["tcp_member"] == "RPCD-OK\x00", out
+
+
+# -- the program --------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+async def test_rpcdist_server_takes_a_token_file_and_tls_files(
+    request: pytest.FixtureRequest, pki: dict[str, str], tmp_path: Path
+) -> None:
+    start_server = request.getfixturevalue("servers")  # test_durable_store's rpcdist-server processes
+    token_file = tmp_path / "token"
+    token_file.write_text("server-token-123\n")
+    token_file.chmod(0o600)
+    flags = ["--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"], "--tls-ca", pki["ca"]]
+    server = await asyncio.to_thread(start_server, "--auth-token-file", str(token_file), *flags)
+    member = GrpcStore(
+        HOST, server.port, timeout=10, security=_client(pki, "client", token="server-token-123")
+    )
+    guesser = GrpcStore(HOST, server.port, timeout=10, security=_client(pki, "client", token="guess"))
+    try:
+        await member.set_async("k", b"v")
+        with pytest.raises(AuthenticationError, match="refused Get"):
+            await guesser.get_async("k")
+        assert await member.get_async("k") == b"v"
+    finally:
+        await member.close_async()
+        await guesser.close_async()
+    assert server.stop() == 0
+    log = server.stderr.read_text()
+    assert "TLS, token required" in log
+    assert "server-token-123" not in log and "guess" not in log
