@@ -119,6 +119,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         )
         transport.abort()
         return False
+
     # -- reading ----------------------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:
