@@ -57,8 +57,8 @@ class RpcBackendOptions:
             shared memory (/dev/shm) instead of the stream; 0 turns that off.
         transport: ``"auto"`` (gRPC between hosts, a Unix socket between workers of one host),
             ``"grpc"`` (gRPC streams for every peer) or ``"tcp"`` (rpcdist's framing straight on
-            TCP between hosts, a Unix socket on one host: faster than gRPC, but plain TCP that
-            only rpcdist speaks; every worker of the group must use it).
+            TCP between hosts, a Unix socket on one host: faster than gRPC, but TCP (TLS with
+            the ``tls_*`` files) that only rpcdist speaks; every worker of the group must use it).
         listen_host: interface this worker serves on (default: loopback when the store is on
             loopback, else all interfaces).
         advertise_host: address peers use to reach this worker (default: derived).
