@@ -90,8 +90,8 @@ class GrpcStore(Store):
     ``security`` gives the token sent with every call and the TLS files (default: from
     ``RPCDIST_AUTH_TOKEN``/``RPCDIST_AUTH_TOKEN_FILE``/``RPCDIST_TLS_*``). ``job_token=True``
     (default: when the store is on loopback) and no token: use the token a single-host job's
-    store published for its port in this user's private directory, re-reading it while the
-    store answers UNAUTHENTICATED (a stale file of an earlier job) within ``connect_timeout``.
+    store published for its port in this user's private directory (read again when the store
+    refuses it: a restarted store makes a new one).
     A store that refuses the token raises :class:`~rpcdist.errors.AuthenticationError`.
     """
 
@@ -205,17 +205,20 @@ class GrpcStore(Store):
             method: Callable[..., Awaitable[Any]] = getattr(stub, method_name)
             left = budget if remaining is None else remaining
             attempt += 1
+            sent = self._security.token
             try:
                 return await method(request, timeout=self._deadline(left), metadata=self._security.metadata())
             except grpc.aio.AioRpcError as exc:
-                refused = exc.code() is grpc.StatusCode.UNAUTHENTICATED
-                if refused and self._job_token:
-                    # Perhaps an earlier job's token file, or read before this job's store
-                    # published its own: read it again and retry, within connect_timeout.
+                if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._job_token:
+                    # A store publishes its job token before it serves: a refusal means the
+                    # token sent was an earlier one (the store restarted). Retry with the new one.
                     token = read_job_token(self.port)
-                    if token != self._security.token:
-                        self._security = self._security.with_token(token)
-                elif exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    if token != sent:
+                        if token != self._security.token:
+                            self._security = self._security.with_token(token)
+                        continue
+                    raise self._translate(exc, method_name, keys, timeout) from exc
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise self._translate(exc, method_name, keys, timeout) from exc
                 now = loop.time()
                 if outage_end is None:
