@@ -432,3 +432,35 @@ def test_init_process_group_takes_the_token() -> None:
         assert asyncio.run(probe()) > 0  # the group's registration keys, read with the token
     finally:
         rpcdist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_stale_job_token_file_is_replaced_and_removed() -> None:
+    """A crashed job's token file on the same port does not lock the next job out; a store
+    removes its own file when it stops, and refusals are quick once nothing newer exists."""
+    port = free_port()
+    publish_job_token(port, "stale-token-of-a-crashed-job")
+
+    async def run() -> None:
+        early = GrpcStore(HOST, port, timeout=30)
+        pending = asyncio.create_task(early.set_async("k", b"v"))  # waits for the store...
+        await asyncio.sleep(0)
+        assert early.security.token == "stale-token-of-a-crashed-job"  # ... with the stale token
+        server = await StoreServer.start(HOST, port, job_token=True)
+        late = GrpcStore(HOST, port, timeout=10)
+        wrong = GrpcStore(HOST, port, timeout=30, security=Security(token="nope"))
+        try:
+            assert read_job_token(port) not in (None, "stale-token-of-a-crashed-job")
+            await pending  # refused once, read the new token, retried
+            assert await late.get_async("k") == b"v"
+            started = time.monotonic()
+            with pytest.raises(AuthenticationError):
+                await wrong.get_async("k")
+            assert time.monotonic() - started < 20  # at once, not after the timeouts
+        finally:
+            for client in (early, late, wrong):
+                await client.close_async()
+            await server.stop()
+        assert read_job_token(port) is None
+
+    asyncio.run(run())
