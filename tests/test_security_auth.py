@@ -464,3 +464,29 @@ def test_a_stale_job_token_file_is_replaced_and_removed() -> None:
         assert read_job_token(port) is None
 
     asyncio.run(run())
+
+
+async def test_a_worker_names_every_address_it_listens_on(caplog: pytest.LogCaptureFixture) -> None:
+    from rpcdist.transport.endpoint import Transport
+
+    transport = Transport(
+        "w-listening",
+        handler=None,  # type: ignore[arg-type] - nothing connects in this test
+        make_session=None,  # type: ignore[arg-type]
+        tcp_links=True,
+        heartbeat_interval=0,
+        security=Security(token="some-token-value"),
+    )
+    with caplog.at_level(logging.INFO, logger="rpcdist.transport.endpoint"):
+        await transport.start(HOST)
+    try:
+        lines = [r.getMessage() for r in caplog.records if "listens on" in r.getMessage()]
+        assert len(lines) == 1, caplog.text
+        line = lines[0]
+        assert f"gRPC {HOST}:{transport.port} (plaintext)" in line
+        assert f"TCP {HOST}:{transport.tcp_port}" in line
+        if transport.unix_path:
+            assert f"Unix socket {transport.unix_path}" in line
+        assert "auth token required" in line and "some-token-value" not in line
+    finally:
+        await transport.close(graceful=False)
