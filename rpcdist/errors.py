@@ -72,6 +72,7 @@ __all__ = [
     "QueueEmptyError",
     "RpcdistError",
     "BlockingCallError",
+    "AuthenticationError",
     "StoreError",
     "StoreTimeoutError",
     "StoreValueError",
@@ -96,6 +97,11 @@ class RpcdistError(RuntimeError):
 
 class BlockingCallError(RpcdistError):
     """A blocking API was called from the event loop it needs; use its ``await`` form."""
+
+
+class AuthenticationError(RpcdistError, PermissionError):
+    """A store or worker refused this process: its auth token is missing or wrong, or its TLS
+    certificate was not accepted (gRPC status UNAUTHENTICATED)."""
 
 
 class StoreError(RpcdistError, DistStoreError):

@@ -30,13 +30,14 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
 import grpc
 
 from rpcdist import _launch_env
 from rpcdist.errors import MembershipError, RendezvousError, StoreError, StoreTimeoutError
+from rpcdist.security import Security
 from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
 from rpcdist.store.service import SERVICE_NAME as STORE_SERVICE
 from rpcdist.store.torch_store import TCPStore
@@ -59,11 +60,13 @@ __all__ = [
 
 @dataclass
 class Rendezvous:
-    """The store a group coordinates through, and the store service this process hosts (if any)."""
+    """The store a group coordinates through, the store service this process hosts (if any),
+    and the credentials of the job (with the token a single-host job generated, if any)."""
 
     store: Store
     server: StoreServer | None
     host: str | None  # the store's host for env:// and tcp:// (None for file://)
+    security: Security = field(default_factory=Security.resolve)
 
     async def close(self) -> None:
         await self.store.close_async()
@@ -113,14 +116,24 @@ def resolve_rank_and_size(rank: int, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-async def rendezvous(init_method: str, rank: int, world_size: int, timeout: float) -> Rendezvous:
-    """Open the store named by ``init_method``; rank 0 hosts it for env:// and tcp://."""
+async def rendezvous(
+    init_method: str, rank: int, world_size: int, timeout: float, security: Security | None = None
+) -> Rendezvous:
+    """Open the store named by ``init_method``; rank 0 hosts it for env:// and tcp://.
+
+    ``security`` (default: from the environment) is the job's token and TLS files. Without a
+    token, a store on loopback gets one: rank 0 (or ``rpcdist-server``) makes it and leaves it
+    in this user's private directory, where the others read it (see :mod:`rpcdist.security`);
+    the returned ``Rendezvous.security`` carries it to the workers' links.
+    """
+    security = security if security is not None else Security.resolve()
     url = urlparse(init_method)
     if url.scheme == "file":
         path = unquote(url.path)
         if not path:
             raise RendezvousError(f"file:// init_method needs a path: {init_method!r}")
-        return Rendezvous(FileStore(path, world_size=world_size, timeout=timeout), None, None)
+        store = FileStore(path, world_size=world_size, timeout=timeout)
+        return Rendezvous(store, None, None, security)
     if url.scheme == "env":
         host, port_text = _launch_env.master_address()  # MASTER_ADDR/PORT, or Slurm's
         host = host or _env("MASTER_ADDR", init_method)
@@ -142,11 +155,30 @@ async def rendezvous(init_method: str, rank: int, world_size: int, timeout: floa
         agent_store = await TCPStore.create_async(
             host, port, world_size=world_size, is_master=False, timeout=timeout, wait_for_workers=False
         )
-        return Rendezvous(agent_store, None, host)
+        return Rendezvous(agent_store, None, host, security)
+    local = is_loopback(host)
+    job_token = local and security.token is None
     server = None
     if rank == 0 and not (url.scheme == "env" and _launch_env.launcher_serves_store()):
-        server = await _serve_unless_served(host, port)
-    return Rendezvous(GrpcStore(host, port, timeout=timeout), server, host)
+        server = await _serve_unless_served(host, port, security, job_token)
+    if server is not None:
+        security = server.security  # with the token it made
+    elif not local and security.token is None:
+        log.warning(
+            "no auth token for the store at %s:%d: anyone who can reach it (and the workers) can "
+            "join, read and call; set RPCDIST_AUTH_TOKEN on every host (see README: Security)",
+            host,
+            port,
+        )
+    store = GrpcStore(host, port, timeout=timeout, security=security, job_token=job_token)
+    if job_token and server is None:
+        try:  # learn the job's token (the store's first answer proves it) for the links too
+            await store.check_async(["world_size"])
+        except BaseException:
+            await store.close_async()
+            raise
+        security = store.security
+    return Rendezvous(store, server, host, security)
 
 
 def uses_agent_store() -> bool:
@@ -157,14 +189,16 @@ def uses_agent_store() -> bool:
 _PROBE_SECONDS = 3.0  # how long whatever holds a taken store port has to say it is a store
 
 
-async def _serve_unless_served(host: str, port: int) -> StoreServer | None:
+async def _serve_unless_served(
+    host: str, port: int, security: Security, job_token: bool
+) -> StoreServer | None:
     """Serve the store on ``port``; if the port is taken, use the store served there, provided
     it is one (a standalone ``rpcdist-server``): anything else fails at once, naming the port."""
     bind_host = host if is_loopback(host) else "0.0.0.0"
     try:
-        server = await StoreServer.start(bind_host, port)
+        server = await StoreServer.start(bind_host, port, security=security, job_token=job_token)
     except (OSError, StoreError, RuntimeError) as exc:
-        reason = await _store_probe(host, port)
+        reason = await _store_probe(host, port, security)
         if reason is not None:
             raise RendezvousError(
                 f"rank 0 cannot serve the store on port {port}: the port is in use by another "
@@ -177,12 +211,12 @@ async def _serve_unless_served(host: str, port: int) -> StoreServer | None:
     return server
 
 
-async def _store_probe(host: str, port: int) -> str | None:
+async def _store_probe(host: str, port: int, security: Security) -> str | None:
     """None if an rpcdist store serves ``host:port`` (its gRPC health service says so within
     a few seconds), else what answered instead."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
+    async with security.channel(f"{host}:{port}") as channel:
         try:
             answer = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=STORE_SERVICE), timeout=_PROBE_SECONDS

@@ -95,9 +95,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rpcdist import _launch_env
+from rpcdist import _launch_env, security
 from rpcdist.errors import RpcdistError, StoreError, StoreTimeoutError
 from rpcdist.rendezvous import is_loopback
+from rpcdist.security import Security
 from rpcdist.store import GrpcStore, HashStore, PrefixStore, Store, StoreServer
 
 log = logging.getLogger("rpcdist.run")
@@ -149,6 +150,8 @@ class LaunchConfig:
     term_timeout: float = 30.0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # The run's token and TLS files: the launcher's stores require them, the workers get them.
+    security: Security = field(default_factory=Security)
 
     @property
     def single_node(self) -> bool:
@@ -207,6 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     option("--role", default="default", help="ROLE_NAME of the workers")
     option("--log-dir", default=None, help="where the per-rank stderr logs go (default: a temp dir)")
     option("--term-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL on stop")
+    security.add_arguments(parser)
     option("--module", "-m", action="store_true", help="run the target as a module (python -m)")
     option("--no-python", action="store_true", help="run the target as an executable, not with python")
     parser.add_argument("training_script", help="the program (or module with -m)")
@@ -314,6 +318,20 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         rdzv_host, rdzv_port = args.master_addr, args.master_port or DEFAULT_MASTER_PORT
     single = max_nodes == 1
     run_id = args.rdzv_id or ("none" if not single else uuid.uuid4().hex[:12])
+    try:
+        credentials = security.from_arguments(args)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if credentials.token is None:
+        if single:  # one host: a token for this run, which only its workers are given
+            credentials = credentials.with_token(security.new_token())
+        else:
+            log.warning(
+                "no auth token: anyone who can reach the rendezvous at %s:%d and the workers can join "
+                "and call; give every node the same --auth-token-file (see README: Security)",
+                rdzv_host,
+                rdzv_port,
+            )
     return LaunchConfig(
         command=worker_command(args),
         nproc_per_node=_parse_nproc(str(args.nproc_per_node)),
@@ -335,6 +353,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         term_timeout=args.term_timeout,
         master_addr=args.master_addr,
         master_port=args.master_port if single else None,
+        security=credentials,
     )
 
 
@@ -626,7 +645,7 @@ class NodeRendezvous:
             wants_host = False  # another launcher on this machine hosts it
         if wants_host:
             try:
-                self._server = await StoreServer.start(bind, cfg.rdzv_port)
+                self._server = await StoreServer.start(bind, cfg.rdzv_port, security=cfg.security)
             except StoreError as exc:
                 if chosen:
                     raise LaunchError(f"cannot host the rendezvous at {cfg.rdzv_endpoint}: {exc}") from exc
@@ -634,9 +653,13 @@ class NodeRendezvous:
         self.leader = self._server is not None
         if self.leader:
             log.info("hosting the rendezvous of run %s at %s", cfg.run_id, cfg.rdzv_endpoint)
-        joiner = GrpcStore(cfg.rdzv_host, cfg.rdzv_port, timeout=cfg.join_timeout)
+        joiner = GrpcStore(cfg.rdzv_host, cfg.rdzv_port, timeout=cfg.join_timeout, security=cfg.security)
         watcher = GrpcStore(
-            cfg.rdzv_host, cfg.rdzv_port, timeout=cfg.join_timeout, connect_timeout=WATCH_CONNECT_TIMEOUT
+            cfg.rdzv_host,
+            cfg.rdzv_port,
+            timeout=cfg.join_timeout,
+            connect_timeout=WATCH_CONNECT_TIMEOUT,
+            security=cfg.security,
         )
         self._clients += [joiner, watcher]
         self._kv, self._watch = PrefixStore(prefix, joiner), PrefixStore(prefix, watcher)
@@ -809,7 +832,7 @@ class NodeRendezvous:
         bind = host if is_loopback(host) else "0.0.0.0"
         port = cfg.master_port if cfg.single_node and cfg.master_port else 0
         try:
-            self._worker_store = await StoreServer.start(bind, port)
+            self._worker_store = await StoreServer.start(bind, port, security=cfg.security)
         except StoreError as exc:
             raise LaunchError(f"cannot serve the workers' store on {bind}:{port}: {exc}") from exc
         return host, self._worker_store.port
@@ -1080,7 +1103,7 @@ class LaunchAgent:
         for local_rank in range(cfg.nproc_per_node):
             rank = first + local_rank
             env = worker_env(
-                os.environ,
+                {**os.environ, **security.to_environment(cfg.security)},
                 rank=rank,
                 local_rank=local_rank,
                 world_size=plan.world_size,

@@ -5,6 +5,7 @@ Usage::
     rpcdist-server --host 127.0.0.1 --port 29500 [--log-level INFO]
     rpcdist-server --port 29500 --data-dir /var/lib/rpcdist   # keys survive a crash/restart
     python -m rpcdist.programs.server --port 0        # an ephemeral port
+    rpcdist-server --host 0.0.0.0 --auth-token-file token --tls-cert c.pem --tls-key k.pem --tls-ca ca.pem
 
 When ready it prints ``rpcdist-server listening on HOST:PORT`` (the real port, also for
 ``--port 0``) on stdout. SIGTERM or SIGINT stops it gracefully, with exit status 0; an address
@@ -26,7 +27,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from rpcdist import security
 from rpcdist.errors import StoreError
+from rpcdist.rendezvous import is_loopback
 from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES
 from rpcdist.store.service import StoreServer, format_address
 
@@ -67,6 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --data-dir: log size that triggers a snapshot and a fresh log "
         f"(default: {DEFAULT_WAL_MAX_BYTES}, or the last snapshot's size if larger)",
     )
+    security.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -83,11 +87,22 @@ async def serve(
     grace: float,
     data_dir: str | None = None,
     wal_max_bytes: int = DEFAULT_WAL_MAX_BYTES,
+    credentials: security.Security | None = None,
 ) -> int:
     """Run the store server until SIGTERM/SIGINT; returns the exit status.
 
     With ``data_dir`` the keys are durable there (see :mod:`rpcdist.store.durable`).
+    ``credentials``: the token every call must carry and the TLS files; without a token, a
+    server on loopback makes one and leaves it for this user's workers (see README: Security).
     """
+    credentials = credentials or security.Security()
+    job_token = credentials.token is None and is_loopback(host)
+    if credentials.token is None and not job_token:
+        log.warning(
+            "no auth token: anyone who can reach %s can read, write and delete keys and join; "
+            "pass --auth-token-file (see README: Security)",
+            format_address(host, port),
+        )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -97,9 +112,16 @@ async def serve(
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
     try:
         if data_dir is None:
-            server = await StoreServer.start(host, port)
+            server = await StoreServer.start(host, port, security=credentials, job_token=job_token)
         else:
-            server = await StoreServer.start(host, port, data_dir=data_dir, wal_max_bytes=wal_max_bytes)
+            server = await StoreServer.start(
+                host,
+                port,
+                data_dir=data_dir,
+                wal_max_bytes=wal_max_bytes,
+                security=credentials,
+                job_token=job_token,
+            )
     except StoreError as exc:
         log.error("%s", exc)
         return 1
@@ -120,6 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        credentials = security.from_arguments(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 1
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT before the handlers were installed
-        return asyncio.run(serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes))
+        return asyncio.run(
+            serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes, credentials)
+        )
     return 0

@@ -705,10 +705,15 @@ def _remote_error_details(exc: BaseException) -> dict[str, Any]:
 
 
 async def _raw_exchange(address: str, frame: bytes, timeout: float = 20.0) -> tuple[str, str]:
-    """Send ``frame`` raw on a fresh Exchange stream; returns the final status code and details."""
+    """Send ``frame`` raw on a fresh Exchange stream, with the job's token (as a member would);
+    returns the final status code and details."""
+    agent = rpc_api._agent
+    metadata = agent.transport.security.metadata() if agent is not None else ()
     channel = grpc.aio.insecure_channel(address)
     try:
-        call = channel.stream_stream(EXCHANGE_METHOD, request_serializer=None, response_deserializer=None)()
+        call = channel.stream_stream(EXCHANGE_METHOD, request_serializer=None, response_deserializer=None)(
+            metadata=metadata
+        )
 
         async def talk() -> tuple[str, str]:
             with contextlib.suppress(Exception):
@@ -1277,3 +1282,29 @@ def worker_lost_everywhere(  # noqa: C901 - one scenario, every way to wait on a
     rpc.shutdown()
     report["shutdown_seconds"] = time.monotonic() - start
     return report
+
+
+# ============================================================================ security
+def security_member(
+    rank: int, world_size: int, init_method: str, workdir: str, **opts: Any
+) -> dict[str, Any]:
+    """A member of a group that outsiders attack (see test_security_auth / test_security_tls):
+    rank 0 waits until the test process has made its attempts (store key
+    ``security/attacked``), then checks that the members still call each other both ways."""
+    init(rank, world_size, init_method, **opts)
+    agent = rpc_api._agent
+    assert agent is not None
+    if rank == 0:
+        agent.rendezvous.store.wait(["security/attacked"], SERVE_TIMEOUT)
+        with check("members_keep_working") as c:
+            c.value = [
+                rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT),
+                rpc.rpc_sync("w1", rf.add, (torch.ones(2), 1), timeout=CALL_TIMEOUT).tolist(),
+            ]
+    else:
+        with check("members_keep_working") as c:
+            c.value = [rpc.rpc_sync("w0", rf.whoami, timeout=CALL_TIMEOUT)]
+    transport = agent.transport
+    links = {rank: type(link).__name__ for rank, link in transport._links.items()}
+    finish(rank, world_size)
+    return {"links": links, "token": bool(transport.security.token), "tls": transport.security.tls}

@@ -20,7 +20,7 @@ def test_list_names_every_scenario() -> None:
     proc = run("--list")
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rpc", "c10d", "autograd", "failure"], proc.stdout
+    assert names == ["rpc", "c10d", "autograd", "failure", "security"], proc.stdout
 
 
 def test_unknown_scenario_is_a_clear_error() -> None:

@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 from rpcdist.errors import StoreConnectionError, StoreError, StoreTimeoutError
+from rpcdist.security import Security, read_job_token
 from rpcdist.store import GrpcStore, KeyValueState, StoreServer
 from rpcdist.store import durable as durable_module
 from rpcdist.store.durable import DurableKeyValueState, log_path
@@ -172,9 +173,11 @@ async def test_kill9_under_write_load_loses_no_acknowledged_write(servers, tmp_p
 
 # -- clients across a restart --------------------------------------------------------------------
 def raw_add(port: int, request: store_pb2.AddRequest) -> int:
-    """One Add RPC, exactly as given (no client-side retry)."""
+    """One Add RPC, exactly as given (no client-side retry), with the token the server left for
+    this user's processes (a server on loopback makes one)."""
+    metadata = Security(token=read_job_token(port)).metadata()
     with grpc.insecure_channel(f"{HOST}:{port}") as channel:
-        return store_pb2_grpc.StoreStub(channel).Add(request, timeout=30).value
+        return store_pb2_grpc.StoreStub(channel).Add(request, timeout=30, metadata=metadata).value
 
 
 @pytest.mark.timeout(60)

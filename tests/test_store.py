@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rpcdist._runtime import LoopThread
 from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
+from rpcdist.security import Security, read_job_token
 from rpcdist.store import (
     FileStore,
     GrpcStore,
@@ -521,12 +522,14 @@ def grpc_port(request: pytest.FixtureRequest) -> int:
 async def test_malformed_request_gets_invalid_argument(
     grpc_port: int, uniq: str, method: str, payload: bytes
 ) -> None:
+    # A member's raw client: with the token a server on loopback left for this user (if any).
+    metadata = Security(token=read_job_token(grpc_port)).metadata()
     async with grpc.aio.insecure_channel(f"{HOST}:{grpc_port}") as channel:
         raw = channel.unary_unary(
             f"/rpcdist.v1.Store/{method}", request_serializer=None, response_deserializer=None
         )
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await raw(payload, timeout=10)
+            await raw(payload, timeout=10, metadata=metadata)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed" in (info.value.details() or "")
     # the server keeps serving everyone else

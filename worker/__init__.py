@@ -113,6 +113,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
         help="logging level (default: INFO)",
     )
+    from rpcdist import security
+
+    security.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -200,9 +203,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not import_modules(args.imports):
         return 2
+    from rpcdist import security
     from rpcdist.rpc import RpcBackendOptions
 
-    options = RpcBackendOptions(init_method=args.init_method)
+    try:
+        credentials = security.from_arguments(args)
+    except ValueError as exc:
+        print(f"rpcdist-worker: {exc}", file=sys.stderr)
+        return 2
+    options = RpcBackendOptions(
+        init_method=args.init_method,
+        auth_token=credentials.token,
+        tls_cert=credentials.tls_cert,
+        tls_key=credentials.tls_key,
+        tls_ca=credentials.tls_ca,
+    )
     if args.rpc_timeout is not None:
         options.rpc_timeout = args.rpc_timeout
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT before the handlers were installed

@@ -49,7 +49,14 @@ class _Reporter:
         self.conn = conn
         self.cfg = cfg
 
+    def wanted(self, name: str) -> bool:
+        """Whether phase ``name`` runs (a scenario may measure only some: ``cfg["only"]``)."""
+        only = self.cfg.get("only")
+        return not only or name in only
+
     def run(self, name: str, fn: Any, *args: Any) -> None:
+        if not self.wanted(name):
+            return
         if name in self.cfg.get("skip", ()):
             self.conn.send(("error", name, "skipped: this phase hung in an earlier round"))
             return
@@ -64,6 +71,8 @@ class _Reporter:
             self.conn.send(("result", name, result))
 
     def idle(self) -> None:
+        if not self.wanted("idle"):
+            return
         self.conn.send(("idle", self.cfg["idle_seconds"] + 30))
         msg = self.conn.recv()
         assert msg == ("go",), msg
@@ -95,6 +104,11 @@ def rpc_worker(
             options = rpc.RpcBackendOptions(init_method=init_method, transport=carrier, shm_threshold_bytes=0)
         else:
             options = rpc.RpcBackendOptions(init_method=init_method)
+        security = cfg.get("security")  # the security scenario: "plain", "token" or "tls"
+        if security in ("token", "tls"):
+            options.auth_token = cfg["auth_token"]
+        if security == "tls":
+            options.tls_cert, options.tls_key, options.tls_ca = cfg["tls_files"]
     else:
         raise ValueError(system)
 

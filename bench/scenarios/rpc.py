@@ -155,7 +155,7 @@ class Rpc(Scenario):
             stacks, life = launch.stack_files, launch.life_r
             parent_conn, child_conn = ctx.Pipe()
             if system in ("torch", "rpcdist"):
-                init = f"tcp://127.0.0.1:{H.free_port()}"
+                init = self.init_method(cfg)
                 args = (system, 1, init, None, child_cfg, stacks["callee"], life)
                 callee = launch.start(f"{system}-callee", W.rpc_worker, args)
                 args = (system, 0, init, child_conn, child_cfg, stacks["caller"], life)
@@ -178,6 +178,10 @@ class Rpc(Scenario):
 
         launched(ctx, f"rpcbench-{system}-", ["caller", "callee"], out, body)
         return out
+
+    def init_method(self, cfg: dict[str, Any]) -> str:
+        """The init_method of one round's pair."""
+        return f"tcp://127.0.0.1:{H.free_port()}"
 
     def drive(self, system: str, conn: Any, launch: Launch, out: dict[str, Any], cfg: dict[str, Any]) -> None:
         """Follow the measuring child's phases until it is done, dies, or overruns a phase

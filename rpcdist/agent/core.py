@@ -79,6 +79,7 @@ class Agent:
             tcp_links=options.transport == "tcp",
             heartbeat_interval=options.heartbeat_interval,
             heartbeat_misses=options.heartbeat_misses,
+            security=rendezvous.security,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rpcdist.errors import MembershipError
+from rpcdist.security import Security
 
 __all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo"]
 
@@ -56,8 +57,8 @@ class RpcBackendOptions:
             shared memory (/dev/shm) instead of the stream; 0 turns that off.
         transport: ``"auto"`` (gRPC between hosts, a Unix socket between workers of one host),
             ``"grpc"`` (gRPC streams for every peer) or ``"tcp"`` (rpcdist's framing straight on
-            TCP between hosts, a Unix socket on one host: faster than gRPC, but plain TCP that
-            only rpcdist speaks; every worker of the group must use it).
+            TCP between hosts, a Unix socket on one host: faster than gRPC, but TCP (TLS with
+            the ``tls_*`` files) that only rpcdist speaks; every worker of the group must use it).
         listen_host: interface this worker serves on (default: loopback when the store is on
             loopback, else all interfaces).
         advertise_host: address peers use to reach this worker (default: derived).
@@ -68,6 +69,13 @@ class RpcBackendOptions:
             hosts that vanish, links that are cut and processes that hang on other hosts).
             0 turns heartbeats off.
         heartbeat_misses: heartbeats a peer may leave unanswered (see ``heartbeat_interval``).
+        auth_token: the job's shared secret: every store call and every link to a worker must
+            carry it (default: ``RPCDIST_AUTH_TOKEN``, or the file ``RPCDIST_AUTH_TOKEN_FILE``;
+            without either, a job whose store is on loopback gets a generated one). Never
+            logged nor shown in ``repr``.
+        tls_cert, tls_key, tls_ca: PEM files: this worker's certificate and key, and the CA
+            peers are verified against (given a CA, servers require client certificates:
+            mTLS). Default: ``RPCDIST_TLS_CERT``/``RPCDIST_TLS_KEY``/``RPCDIST_TLS_CA``.
         device_maps, devices, _transports, _channels: torch TensorPipe fields, accepted for
             compatibility; only CPU tensors are supported, so device maps must be empty.
     """
@@ -89,6 +97,10 @@ class RpcBackendOptions:
     heartbeat_interval: float = 1.0
     heartbeat_misses: int = 3
     extra: dict[str, Any] = field(default_factory=dict)
+    auth_token: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
@@ -105,6 +117,10 @@ class RpcBackendOptions:
             raise ValueError(f"heartbeat_interval must be >= 0 seconds, got {self.heartbeat_interval}")
         if self.heartbeat_misses < 1:
             raise ValueError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+
+    def security(self) -> Security:
+        """The credentials these options give, completed from the environment."""
+        return Security.resolve(self.auth_token, self.tls_cert, self.tls_key, self.tls_ca)
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """torch compatibility; CPU-only, so any non-empty map is refused."""

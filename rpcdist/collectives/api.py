@@ -158,10 +158,20 @@ async def init_process_group_async(
     store: Store | None = None,
     group_name: str = "",
     pg_options: Any = None,
+    auth_token: str | None = None,
 ) -> None:
     """The awaitable form of :func:`init_process_group` (runs on the calling loop)."""
     await _init(
-        backend, init_method, timeout, world_size, rank, store, asyncio.get_running_loop(), False, pg_options
+        backend,
+        init_method,
+        timeout,
+        world_size,
+        rank,
+        store,
+        asyncio.get_running_loop(),
+        False,
+        pg_options,
+        auth_token,
     )
     _run_hooks(_init_hooks)
 
@@ -176,6 +186,7 @@ def init_process_group(
     group_name: str = "",
     pg_options: Any = None,
     device_id: Any = None,
+    auth_token: str | None = None,
 ) -> None:
     """Join the default process group (blocks until all ``world_size`` ranks have joined).
 
@@ -184,12 +195,17 @@ def init_process_group(
     ``pg_options``: an :class:`~rpcdist.rpc.RpcBackendOptions` whose transport settings
     (``transport``, ``shm_threshold_bytes``, heartbeats, hosts, chunk and payload sizes) the
     group's messages use; its init method and timeouts come from the arguments here.
+    ``auth_token``: the job's shared secret (default: ``pg_options.auth_token``, then
+    ``RPCDIST_AUTH_TOKEN``/``RPCDIST_AUTH_TOKEN_FILE``; on one host, a generated one).
     """
     with _init_lock:
         loop = acquire_loop()
         try:
             call_blocking(
-                loop, _init(backend, init_method, timeout, world_size, rank, store, loop, True, pg_options)
+                loop,
+                _init(
+                    backend, init_method, timeout, world_size, rank, store, loop, True, pg_options, auth_token
+                ),
             )
         except BaseException:
             release_loop(loop)
@@ -207,6 +223,7 @@ async def _init(
     loop: asyncio.AbstractEventLoop,
     owns_loop: bool,
     pg_options: Any = None,
+    auth_token: str | None = None,
 ) -> None:
     from rpcdist.collectives import group
 
@@ -230,10 +247,14 @@ async def _init(
         rpc_timeout=0,
         store_timeout=min(seconds, 300),
     )
-    if store is not None:
-        meeting = rdv.Rendezvous(store, None, None)
+    if auth_token is not None:
+        options = dataclasses.replace(options, auth_token=auth_token)
+    if store is not None:  # the caller's store: only a configured token protects the links
+        meeting = rdv.Rendezvous(store, None, None, options.security())
     else:
-        meeting = await rdv.rendezvous(options.init_method, rank, world_size, options.store_timeout)
+        meeting = await rdv.rendezvous(
+            options.init_method, rank, world_size, options.store_timeout, options.security()
+        )
     agent = Agent(WorkerInfo(f"c10d-rank{rank}", rank), world_size, options, meeting, loop)
     state = _State(rank, world_size, name, seconds, agent, loop, owns_loop, store=meeting.store)
     state.world = ProcessGroup(state, 0, list(range(world_size)), seconds)

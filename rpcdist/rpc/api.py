@@ -84,7 +84,7 @@ async def init_rpc_async(
         rank, world_size = rdv.resolve_rank_and_size(rank, world_size)
     loop = asyncio.get_running_loop()
     timeout = options.store_timeout
-    meeting = await rdv.rendezvous(options.init_method, rank, world_size or 1, timeout)
+    meeting = await rdv.rendezvous(options.init_method, rank, world_size or 1, timeout, options.security())
     if dynamic:
         try:
             rank = await elastic.claim(PrefixStore(_STORE_PREFIX, meeting.store), name, rank)

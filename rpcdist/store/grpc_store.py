@@ -25,8 +25,10 @@ for the time left.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
+import socket
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -35,7 +37,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from rpcdist.errors import StoreConnectionError, StoreError, StoreTimeoutError, StoreValueError
+from rpcdist.errors import (
+    AuthenticationError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+    StoreValueError,
+)
+from rpcdist.security import Security, read_job_token
 from rpcdist.store.api import DEFAULT_TIMEOUT, Store, to_seconds
 from rpcdist.store.memory import INT64_MAX, INT64_MIN
 from rpcdist.store.service import MAX_MESSAGE_BYTES, format_address
@@ -63,6 +72,13 @@ RETRY_BACKOFF = 0.05
 RETRY_BACKOFF_MAX = 1.0
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 class GrpcStore(Store):
     """A client of the Store service at ``host:port``.
 
@@ -70,6 +86,13 @@ class GrpcStore(Store):
     included); ``connect_timeout`` bounds waiting for the server to accept a connection, at the
     start or after the connection broke (default: the same as ``timeout``, as torch's TCPStore
     client waits). Timeouts ``<= 0`` mean no limit.
+
+    ``security`` gives the token sent with every call and the TLS files (default: from
+    ``RPCDIST_AUTH_TOKEN``/``RPCDIST_AUTH_TOKEN_FILE``/``RPCDIST_TLS_*``). ``job_token=True``
+    (default: when the store is on loopback) and no token: use the token a single-host job's
+    store published for its port in this user's private directory (read again when the store
+    refuses it: a restarted store makes a new one).
+    A store that refuses the token raises :class:`~rpcdist.errors.AuthenticationError`.
     """
 
     def __init__(
@@ -78,8 +101,15 @@ class GrpcStore(Store):
         port: int,
         timeout: float | timedelta = DEFAULT_TIMEOUT,
         connect_timeout: float | timedelta | None = None,
+        *,
+        security: Security | None = None,
+        job_token: bool | None = None,
     ) -> None:
         super().__init__(timeout)
+        self._security = security if security is not None else Security.resolve()
+        if job_token is None:  # a process of this user may use its own jobs' stores
+            job_token = _is_loopback(host)
+        self._job_token = job_token and self._security.token is None
         self.host = host
         self.port = int(port)
         self.connect_timeout = to_seconds(connect_timeout, self._timeout)
@@ -104,17 +134,30 @@ class GrpcStore(Store):
         if self._closed:
             raise StoreError(f"this client of the store at {self._target} is closed")
         if self._channel is None or self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self._target, options=_CHANNEL_OPTIONS)
+            if self._job_token:
+                self._security = self._security.with_token(read_job_token(self.port))
+            self._channel = self._security.channel(self._target, options=_CHANNEL_OPTIONS)
             self._stub = store_pb2_grpc.StoreStub(self._channel)
         channel = self._channel
         if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
             try:
                 await asyncio.wait_for(channel.channel_ready(), limit)
             except asyncio.TimeoutError:
+                hint = "" if self._security.tls else "; if it serves TLS, set RPCDIST_TLS_CA"
+                why = await self._why_unconnected(self._stub)
                 raise StoreConnectionError(
-                    f"the store at {self._target} is unreachable (no connection within {limit or 0:g} s)"
+                    f"the store at {self._target} is unreachable "
+                    f"(no connection within {limit or 0:g} s{hint}){why}"
                 ) from None
         return self._stub
+
+    async def _why_unconnected(self, stub: store_pb2_grpc.StoreStub) -> str:
+        """gRPC's reason for the failed connection (a refused TLS handshake, say), from one try."""
+        try:
+            await stub.NumKeys(store_pb2.NumKeysRequest(), timeout=1.0, metadata=self._security.metadata())
+        except grpc.aio.AioRpcError as exc:
+            return f": {exc.code().name}: {exc.details()}"
+        return ""
 
     def _deadline(self, timeout: float) -> float | None:
         return timeout + DEADLINE_SLACK if 0 < timeout < math.inf else None
@@ -162,9 +205,19 @@ class GrpcStore(Store):
             method: Callable[..., Awaitable[Any]] = getattr(stub, method_name)
             left = budget if remaining is None else remaining
             attempt += 1
+            sent = self._security.token
             try:
-                return await method(request, timeout=self._deadline(left))
+                return await method(request, timeout=self._deadline(left), metadata=self._security.metadata())
             except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._job_token:
+                    # A store publishes its job token before it serves: a refusal means the
+                    # token sent was an earlier one (the store restarted). Retry with the new one.
+                    token = read_job_token(self.port)
+                    if token != sent:
+                        if token != self._security.token:
+                            self._security = self._security.with_token(token)
+                        continue
+                    raise self._translate(exc, method_name, keys, timeout) from exc
                 if exc.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise self._translate(exc, method_name, keys, timeout) from exc
                 now = loop.time()
@@ -199,6 +252,11 @@ class GrpcStore(Store):
         code = exc.code()
         details = exc.details() or ""
         where = f"the store at {self._target}"
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            return AuthenticationError(
+                f"{where} refused {method_name}: {details} (set the job's token with RPCDIST_AUTH_TOKEN, "
+                "RPCDIST_AUTH_TOKEN_FILE or auth_token=)"
+            )
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             if method_name in ("Get", "Wait"):
                 wanted = ", ".join(map(repr, keys))
@@ -277,6 +335,11 @@ class GrpcStore(Store):
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()
+
+    @property
+    def security(self) -> Security:
+        """The credentials this client uses (with the job token it read, if any)."""
+        return self._security
 
     def __repr__(self) -> str:
         return f"<GrpcStore {self._target}>"

@@ -44,6 +44,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
+from rpcdist.security import (
+    Security,
+    new_token,
+    publish_job_token,
+    server_interceptors,
+    withdraw_job_token,
+)
 from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES, DurableKeyValueState
 from rpcdist.store.memory import CLIENT_ID_BYTES, KeyValueState, RequestId
 from rpcdist.v1 import store_pb2
@@ -236,8 +243,11 @@ class StoreServer:
         host: str,
         port: int,
         owns_state: bool = False,
+        security: Security | None = None,
     ) -> None:
         self._server = server
+        self.security = security or Security()
+        self._published_token: str | None = None
         self.state = state
         self.health = health
         self.host = host
@@ -255,6 +265,8 @@ class StoreServer:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         data_dir: str | os.PathLike[str] | None = None,
         wal_max_bytes: int | None = None,
+        security: Security | None = None,
+        job_token: bool = False,
     ) -> StoreServer:
         """Listen on ``host:port`` (0: an ephemeral port; see :attr:`port`) and serve.
 
@@ -266,25 +278,48 @@ class StoreServer:
         Raises StoreError if the address cannot be bound (e.g. it is already in use: the
         server never shares a port with another listener), if ``data_dir`` is in use by
         another server, or if its files are corrupt (naming the file and offset).
+
+        ``security`` (default: none) gives the token every call must carry and the TLS files.
+        ``job_token=True`` on a loopback address without a token makes a fresh one and leaves
+        it in this user's private directory for the job's members (see
+        :func:`rpcdist.security.read_job_token`); it is removed when the server stops.
         """
+        security = security or Security()
+        if job_token and security.token is None:
+            security = security.with_token(new_token())
+        else:
+            job_token = False
         if data_dir is not None:
             if state is not None:
                 raise ValueError("pass either state or data_dir, not both")
             limit = DEFAULT_WAL_MAX_BYTES if wal_max_bytes is None else wal_max_bytes
             durable = await asyncio.to_thread(DurableKeyValueState.open, data_dir, limit)
             try:
-                return await cls._start(host, port, durable, max_message_bytes, owns_state=True)
+                return await cls._start(
+                    host, port, durable, max_message_bytes, True, security=security, job_token=job_token
+                )
             except BaseException:
                 await durable.close()
                 raise
         state = state if state is not None else KeyValueState()
-        return await cls._start(host, port, state, max_message_bytes, owns_state=False)
+        return await cls._start(
+            host, port, state, max_message_bytes, owns_state=False, security=security, job_token=job_token
+        )
 
     @classmethod
     async def _start(
-        cls, host: str, port: int, state: KeyValueState, max_message_bytes: int, owns_state: bool
+        cls,
+        host: str,
+        port: int,
+        state: KeyValueState,
+        max_message_bytes: int,
+        owns_state: bool,
+        security: Security,
+        job_token: bool,
     ) -> StoreServer:
+        interceptors = server_interceptors(security, "the store")
         server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -296,7 +331,7 @@ class StoreServer:
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         address = format_address(host, port)
         try:
-            bound = server.add_insecure_port(address)
+            bound = security.add_port(server, address)
         except RuntimeError:
             bound = 0
         if not bound:
@@ -308,11 +343,22 @@ class StoreServer:
                 ) from cause
             why = f": {cause}" if cause is not None else ""
             raise StoreError(f"cannot start the store server on {address}{why}") from cause
+        for interceptor in interceptors:
+            interceptor.what = f"the store on {format_address(host, bound)}"
+        made = cls(server, state, health, host, bound, owns_state, security)
+        if job_token and security.token:
+            publish_job_token(bound, security.token)  # before serving: members find it at once
+            made._published_token = security.token
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("store server listening on %s", format_address(host, bound))
-        return cls(server, state, health, host, bound, owns_state)
+        log.info(
+            "store server listening on %s (%s%s)",
+            format_address(host, bound),
+            "TLS" if security.tls else "plaintext",
+            ", token required" if security.token else ", no token",
+        )
+        return made
 
     @property
     def address(self) -> str:
@@ -327,6 +373,8 @@ class StoreServer:
         with contextlib.suppress(Exception):
             await self.health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._published_token is not None:
+            withdraw_job_token(self.port, self._published_token)
         if self._owns_state:
             await self.state.close()
         log.info("store server on %s stopped", self.address)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from rpcdist.security import Security, server_interceptors
 from rpcdist.transport import shm
 from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory, Write
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, GrpcLink, exchange_handler
@@ -52,6 +53,10 @@ class Transport(LinkHandler):
     + 1)`` seconds is given up on, and its loss is reported as if its connection had closed.
     This finds peers that vanish without closing (a host gone, a link cut, a hung process);
     0 turns it off.
+
+    ``security`` (default: none) is the token every incoming link must carry (checked once
+    per connection: gRPC metadata, or the socket's hello, before any frame is decoded) and
+    the TLS files of the gRPC server and channels (and of framed TCP links).
     """
 
     def __init__(
@@ -65,8 +70,10 @@ class Transport(LinkHandler):
         tcp_links: bool = False,
         heartbeat_interval: float = 1.0,
         heartbeat_misses: int = 3,
+        security: Security | None = None,
     ) -> None:
         self.name = name
+        self.security = security or Security()
         self._handler = handler
         self._make_session = make_session
         self.heartbeat_interval = heartbeat_interval
@@ -95,19 +102,34 @@ class Transport(LinkHandler):
     async def start(self, host: str) -> int:
         """Serve incoming links on ``host`` (ephemeral gRPC port) and, when co-located peers
         can use it, a Unix socket; returns the gRPC port."""
-        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        security = self.security
+        interceptors = server_interceptors(security, f"worker {self.name}")
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         self._server.add_generic_rpc_handlers((exchange_handler(self._accept),))
-        self.port = self._server.add_insecure_port(f"{host}:0")
+        address = f"[{host}]:0" if ":" in host else f"{host}:0"
+        self.port = security.add_port(self._server, address)
+        if not self.port:
+            raise OSError(f"worker {self.name} cannot listen on {host}")
         await self._server.start()
+        listening = [f"gRPC {address[:-1]}{self.port} ({'TLS' if security.tls else 'plaintext'})"]
         if self.shm_probe and self._unix_sockets:
             path = shm.socket_path()
             try:
-                self._unix_server = await serve_unix(path, self._accept)
+                self._unix_server = await serve_unix(path, self._accept, security)
                 self.unix_path = path
+                listening.append(f"Unix socket {path}")
             except OSError as exc:
+                shm.remove_socket(path)
                 log.info("no Unix-socket transport (%s); co-located peers use gRPC", exc)
         if self._tcp_links:
-            self._tcp_server, self.tcp_port = await serve_tcp(host, self._accept)
+            self._tcp_server, self.tcp_port = await serve_tcp(host, self._accept, security)
+            listening.append(f"TCP {address[:-1]}{self.tcp_port} ({'TLS' if security.tls else 'plaintext'})")
+        log.info(
+            "%s listens on %s; %s",
+            self.name,
+            ", ".join(listening),
+            "auth token required" if security.token else "NO auth token (anyone who reaches these may call)",
+        )
         if self.heartbeat_interval > 0:
             self._heartbeats = asyncio.get_running_loop().create_task(
                 self._beat(), name=f"rpcdist-heartbeats-{self.name}"
@@ -198,11 +220,11 @@ class Transport(LinkHandler):
                 raise ConnectionError(f"transport of {self.name} is closed")
             peer = self.peers[rank]
             if peer.unix_path and peer.colocated and self._unix_sockets:
-                link = UnixLink(self, peer, peer.unix_path)
+                link = UnixLink(self, peer, peer.unix_path, self.security)
             elif peer.tcp_address and self._tcp_links:
-                link = TcpLink(self, peer, peer.tcp_address)
+                link = TcpLink(self, peer, peer.tcp_address, self.security)
             else:
-                link = GrpcLink(self, peer, peer.grpc_address)
+                link = GrpcLink(self, peer, peer.grpc_address, self.security)
             if rank in self._unresponsive:  # one heartbeat's grace (see _beat)
                 link.last_heard -= self.heartbeat_interval * self.heartbeat_misses
             self._links[rank] = link

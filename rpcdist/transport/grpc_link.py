@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from rpcdist._runtime import stray_cancellation
+from rpcdist.security import Security
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Write
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.writer import FrameWriter
@@ -38,12 +39,14 @@ CHANNEL_OPTIONS = [
 class GrpcLink(Link):
     """A bidirectional Exchange stream on a gRPC channel."""
 
-    def __init__(self, handler: LinkHandler, peer: PeerAddress, address: str) -> None:
+    def __init__(self, handler: LinkHandler, peer: PeerAddress, address: str, security: Security) -> None:
         super().__init__(handler, peer, address)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = security.channel(address, options=CHANNEL_OPTIONS)
+        # The token travels once, with the stream's metadata; the server checks it before
+        # the first frame is read.
         self.call = self.channel.stream_stream(
             EXCHANGE_METHOD, request_serializer=None, response_deserializer=None
-        )()
+        )(metadata=security.metadata())
         self.writer = FrameWriter(joined(self.call.write), peer.name)
         self.reader = asyncio.get_running_loop().create_task(self._read(), name=f"rpcdist-reader-{peer.name}")
 
@@ -57,6 +60,8 @@ class GrpcLink(Link):
                 self.handler.on_frame(self, raw)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                log.error("%s refused this worker: %s", self.peer.name, exc.details())
         except asyncio.CancelledError:
             reason = "the connection was closed"
             raise

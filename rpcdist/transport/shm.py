@@ -16,11 +16,13 @@ containers on one machine with private ``/dev/shm`` correctly come out as not co
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
 import os
 import secrets
+import tempfile
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 _PREFIX = "rpcdist-"
 _names = itertools.count()
-_session = secrets.token_hex(4)
+# Unguessable by other processes (64 bits), so no one can predict (and pre-create) a name.
+_session = secrets.token_hex(8)
 
 
 def available() -> bool:
@@ -45,8 +48,7 @@ def create_probe() -> str:
         return ""
     name = f"{_PREFIX}probe-{os.getpid()}-{secrets.token_hex(8)}"
     try:
-        with open(os.path.join(SHM_DIR, name), "wb"):
-            pass
+        os.close(os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError:
         return ""
     return name
@@ -109,16 +111,19 @@ def remove(names: Iterable[str]) -> None:
 
 
 def socket_path() -> str:
-    """A fresh path for this worker's Unix socket, next to the probe (same visibility)."""
-    return os.path.join(SHM_DIR, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.sock")
+    """A fresh path for this worker's Unix socket, next to the probe (same visibility), inside
+    a new directory only this user can enter (mode 0700, unguessable name)."""
+    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}sock-", dir=SHM_DIR)
+    return os.path.join(directory, "agent.sock")
 
 
 def remove_socket(path: str) -> None:
+    """Remove the socket and its private directory."""
     if path:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
 
 
 _SLOT_PREFIX = f"{_PREFIX}slot-"

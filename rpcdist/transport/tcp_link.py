@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from rpcdist.security import Security
 from rpcdist.transport.api import Accept
 from rpcdist.transport.unix_link import UnixLink, _FramedProtocol, connection_factory
 
@@ -25,10 +26,20 @@ class TcpLink(UnixLink):
         self, factory: Callable[[], _FramedProtocol], address: str
     ) -> tuple[Any, _FramedProtocol]:
         host, _, port = address.rpartition(":")
-        return await asyncio.get_running_loop().create_connection(factory, host.strip("[]"), int(port))
+        context = self._security.ssl_context(server_side=False)
+        return await asyncio.get_running_loop().create_connection(
+            factory,
+            host.strip("[]"),
+            int(port),
+            ssl=context,
+            server_hostname=host.strip("[]") if context else None,
+        )
 
 
-async def serve_tcp(host: str, accept: Accept) -> tuple[asyncio.AbstractServer, int]:
-    """Accept framed TCP connections on ``host`` (an ephemeral port); returns the server and port."""
-    server = await asyncio.get_running_loop().create_server(connection_factory(accept), host, 0)
+async def serve_tcp(host: str, accept: Accept, security: Security) -> tuple[asyncio.AbstractServer, int]:
+    """Accept framed TCP connections on ``host`` (an ephemeral port) that carry ``security``'s
+    token, over TLS when it has TLS files; returns the server and port."""
+    server = await asyncio.get_running_loop().create_server(
+        connection_factory(accept, security), host, 0, ssl=security.ssl_context(server_side=True)
+    )
     return server, server.sockets[0].getsockname()[1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from rpcdist._runtime import stray_cancellation
+from rpcdist.security import ACCEPTED, HELLO_BYTES, REFUSED, VERDICT_BYTES, Security
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.grpc_link import GRPC_MESSAGE_LIMIT
@@ -35,15 +37,35 @@ def _aligned_buffer(size: int) -> memoryview:
     return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
 
 
+HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
+
+
 class _FramedProtocol(asyncio.BufferedProtocol):
     """Length-prefixed frames over a stream socket, with write flow control.
 
     Small frames are read many per ``recv`` into a staging buffer; a big frame is read by the
     kernel straight into an aligned buffer of its own, handed on as it is (a writable
     memoryview: tensors decoded from it may keep its memory instead of copying it out).
+
+    Before any frame, the connection authenticates once: a client (``hello`` given) writes its
+    hello first and reads the server's verdict (a refusal closes the connection, reported as
+    the reason it was lost); a server (``admit`` given) reads the hello, answers, and decodes
+    frames only once ``admit`` accepted it (a refused client is closed, its bytes never read).
     """
 
-    def __init__(self, on_frame: Callable[[bytes | memoryview], None], on_eof: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_frame: Callable[[bytes | memoryview], None],
+        on_eof: Callable[[], None],
+        *,
+        hello: bytes | None = None,
+        admit: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        self._hello = hello
+        self._admit = admit
+        # Bytes of the handshake still expected before frames: the verdict or the hello.
+        self._handshake = VERDICT_BYTES if hello is not None else HELLO_BYTES if admit is not None else 0
+        self._refusal = ""
         self._on_frame = on_frame
         self._on_eof = on_eof
         self._staging = bytearray(_STAGING_BYTES)
@@ -59,6 +81,44 @@ class _FramedProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self._hello is not None:
+            self.transport.write(self._hello)  # first, before any frame this side writes
+        elif self._admit is not None:
+            asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_overdue)
+
+    def _hello_overdue(self) -> None:
+        if self._handshake and self.transport is not None and not self.transport.is_closing():
+            self._refusal = f"no authentication within {HELLO_TIMEOUT:g} s"
+            self.transport.abort()
+
+    def _shake(self) -> bool:
+        """Consume the handshake from the staging buffer; whether frames may follow."""
+        if self._end - self._start < self._handshake:
+            return False
+        start = self._start
+        got = bytes(self._staged[start : start + self._handshake])
+        self._start = start + self._handshake
+        self._handshake = 0
+        transport = self.transport
+        assert transport is not None
+        if self._admit is not None:  # server: check the client's hello
+            if self._admit(got):
+                transport.write(ACCEPTED)
+                return True
+            log.warning("refused a connection: missing or wrong auth token")
+            self._refusal = "refused: missing or wrong auth token"
+            transport.write(REFUSED)
+            transport.close()  # after the verdict is flushed; nothing it sent is decoded
+            return False
+        if got == ACCEPTED:  # client: the server's verdict
+            return True
+        self._refusal = (
+            "the peer refused the connection (UNAUTHENTICATED): missing or wrong auth token"
+            if got == REFUSED
+            else "the peer did not answer the handshake: not an rpcdist worker of this version"
+        )
+        transport.abort()
+        return False
 
     # -- reading ----------------------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -78,6 +138,11 @@ class _FramedProtocol(asyncio.BufferedProtocol):
                 self._on_frame(frame)
             return
         self._end += nbytes
+        if self._handshake or self._refusal:
+            if self._refusal or not self._shake():
+                if self._refusal:  # refused: nothing more it sends is looked at
+                    self._start = self._end = 0
+                return
         try:
             self._split()
         except FrameError as exc:
@@ -119,7 +184,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._can_write.set()
         if not self.lost.done():
-            self.lost.set_result(str(exc) if exc else "the connection was closed")
+            self.lost.set_result(self._refusal or (str(exc) if exc else "the connection was closed"))
 
     # -- writing ----------------------------------------------------------------------------------
     def pause_writing(self) -> None:
@@ -150,8 +215,9 @@ class UnixLink(Link):
 
     heartbeats = False
 
-    def __init__(self, handler: LinkHandler, peer: PeerAddress, path: str) -> None:
+    def __init__(self, handler: LinkHandler, peer: PeerAddress, path: str, security: Security) -> None:
         super().__init__(handler, peer, path)
+        self._security = security
         self._protocol: _FramedProtocol | None = None
         self._connected = asyncio.get_running_loop().create_task(self._connect(path))
         self.writer = FrameWriter(self._write, peer.name)
@@ -161,9 +227,12 @@ class UnixLink(Link):
         self._eof = asyncio.Event()
 
     async def _connect(self, address: str) -> _FramedProtocol:
-        _, protocol = await self._open(
-            lambda: _FramedProtocol(lambda raw: self.handler.on_frame(self, raw), self._peer_done), address
-        )
+        hello = self._security.hello()
+
+        def protocol_factory() -> _FramedProtocol:
+            return _FramedProtocol(lambda raw: self.handler.on_frame(self, raw), self._peer_done, hello=hello)
+
+        _, protocol = await self._open(protocol_factory, address)
         self._protocol = protocol
         return protocol
 
@@ -230,27 +299,43 @@ class UnixLink(Link):
                 self._connected.cancel()
 
 
-async def serve_unix(path: str, accept: Accept) -> asyncio.AbstractServer:
-    """Accept co-located callers on the Unix socket ``path``."""
-    return await asyncio.get_running_loop().create_unix_server(connection_factory(accept), path)
+async def serve_unix(path: str, accept: Accept, security: Security) -> asyncio.AbstractServer:
+    """Accept co-located callers on the Unix socket ``path`` (owner-only: mode 0600, inside a
+    0700 directory) that carry ``security``'s token."""
+    server = await asyncio.get_running_loop().create_unix_server(connection_factory(accept, security), path)
+    os.chmod(path, 0o600)
+    return server
 
 
-def connection_factory(accept: Accept) -> Callable[[], _FramedProtocol]:
-    """The protocol factory of a server of framed streams (Unix or TCP sockets)."""
+def connection_factory(accept: Accept, security: Security) -> Callable[[], _FramedProtocol]:
+    """The protocol factory of a server of framed streams (Unix or TCP sockets): a session is
+    made for a connection only once its hello carried ``security``'s token."""
     loop = asyncio.get_running_loop()
 
     def connection() -> _FramedProtocol:
         holder: dict[str, Any] = {}
 
         def on_frame(raw: bytes | memoryview) -> None:
-            holder["session"].on_frame(raw)
+            session = holder.get("session")
+            if session is None:  # the first frame after an accepted hello
+                session = holder["session"] = accept(protocol.write)
+            session.on_frame(raw)
 
         def on_eof() -> None:
-            loop.create_task(_finish(holder["session"], protocol))
+            session = holder.get("session")
+            if session is None:
+                if protocol.transport is not None:
+                    protocol.transport.close()
+                return
+            loop.create_task(_finish(session, protocol))
 
-        protocol = _FramedProtocol(on_frame, on_eof)
-        holder["session"] = accept(protocol.write)
-        protocol.lost.add_done_callback(lambda _: holder["session"].cleanup())
+        def lost(_: object) -> None:
+            session = holder.get("session")
+            if session is not None:
+                session.cleanup()
+
+        protocol = _FramedProtocol(on_frame, on_eof, admit=security.admits)
+        protocol.lost.add_done_callback(lost)
         return protocol
 
     return connection
