@@ -5,6 +5,7 @@ Usage::
     rpcdist-server --host 127.0.0.1 --port 29500 [--log-level INFO]
     rpcdist-server --port 29500 --data-dir /var/lib/rpcdist   # keys survive a crash/restart
     python -m rpcdist.programs.server --port 0        # an ephemeral port
+    rpcdist-server --max-key-bytes 4096 --max-value-bytes 1048576 --max-keys 100000
 
 When ready it prints ``rpcdist-server listening on HOST:PORT`` (the real port, also for
 ``--port 0``) on stdout. SIGTERM or SIGINT stops it gracefully, with exit status 0; an address
@@ -14,6 +15,10 @@ Without ``--data-dir`` the keys live in memory only and nothing is written anywh
 every change is logged in that directory and synced to disk before it is answered (concurrent
 writers share syncs), the log is compacted into a snapshot once it exceeds
 ``--wal-max-bytes``, and a restart (even after ``kill -9``) recovers every acknowledged key.
+
+``--max-key-bytes``, ``--max-value-bytes`` and ``--max-keys`` cap what clients can make it hold
+(see :class:`~rpcdist.store.service.StoreLimits` for the defaults): a request above a cap is
+refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit, and nothing is stored.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Sequence
 
 from rpcdist.errors import StoreError
 from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES
-from rpcdist.store.service import StoreServer, format_address
+from rpcdist.store.service import StoreLimits, StoreServer, format_address
 
 log = logging.getLogger("rpcdist.programs.server")
 
@@ -67,13 +72,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --data-dir: log size that triggers a snapshot and a fresh log "
         f"(default: {DEFAULT_WAL_MAX_BYTES}, or the last snapshot's size if larger)",
     )
+    defaults = StoreLimits()
+    parser.add_argument(
+        "--max-key-bytes",
+        type=_positive_int,
+        default=defaults.max_key_bytes,
+        help=f"longest key accepted, in bytes (default: {defaults.max_key_bytes})",
+    )
+    parser.add_argument(
+        "--max-value-bytes",
+        type=_positive_int,
+        default=defaults.max_value_bytes,
+        help=f"largest value accepted, in bytes (default: {defaults.max_value_bytes})",
+    )
+    parser.add_argument(
+        "--max-keys",
+        type=_positive_int,
+        default=defaults.max_keys,
+        help=f"keys the store may hold; requests adding more are refused (default: {defaults.max_keys})",
+    )
     return parser.parse_args(argv)
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, not {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return value
 
 
@@ -83,6 +107,7 @@ async def serve(
     grace: float,
     data_dir: str | None = None,
     wal_max_bytes: int = DEFAULT_WAL_MAX_BYTES,
+    limits: StoreLimits | None = None,
 ) -> int:
     """Run the store server until SIGTERM/SIGINT; returns the exit status.
 
@@ -97,9 +122,11 @@ async def serve(
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
     try:
         if data_dir is None:
-            server = await StoreServer.start(host, port)
+            server = await StoreServer.start(host, port, limits=limits)
         else:
-            server = await StoreServer.start(host, port, data_dir=data_dir, wal_max_bytes=wal_max_bytes)
+            server = await StoreServer.start(
+                host, port, data_dir=data_dir, wal_max_bytes=wal_max_bytes, limits=limits
+            )
     except StoreError as exc:
         log.error("%s", exc)
         return 1
@@ -121,5 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT before the handlers were installed
-        return asyncio.run(serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes))
+        limits = StoreLimits(args.max_key_bytes, args.max_value_bytes, args.max_keys)
+        return asyncio.run(
+            serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes, limits)
+        )
     return 0
