@@ -70,6 +70,9 @@ def rebuild_tensor(
     parameter: bool,
 ) -> torch.Tensor:
     if len(memoryview(buffer)) == 0:
+        if 0 not in tuple(shape):
+            # only an empty tensor travels without bytes: never allocate what a message claims
+            raise SerializationError(f"a tensor of shape {shape} arrived without its data")
         t = torch.empty_strided(shape, strides, dtype=dtype)
     else:
         flat = torch.frombuffer(buffer, dtype=torch.uint8)
@@ -171,9 +174,10 @@ _trusted: dict[str, Any] = {}
 _trusted_ids: dict[int, Any] = {}  # id -> object: what a restricted ``getattr`` may return
 _trusted_lock = threading.Lock()
 
-_SAFE_BUILTINS = (
-    "set frozenset complex slice range bytearray bytes list dict tuple int float bool str"
-).split()
+# Only constructors that cannot allocate more than the message holds: no ``range`` (a lazy
+# iterable of any length that ``set``/``list`` would expand) and no ``bytes(n)``/``bytearray(n)``
+# (protocol 5 encodes those with opcodes, not by calling them).
+_SAFE_BUILTINS = ("set", "frozenset", "complex", "slice")
 
 
 def _pickle_name(obj: Any) -> str:
@@ -280,7 +284,9 @@ def _builtin_trusted(module: str, name: str) -> Any:
         return getattr(collections, name)
     if module in ("numpy", "numpy._core.numeric", "numpy.core.numeric", "numpy._core.multiarray",
                   "numpy.core.multiarray"):
-        if name in ("dtype", "ndarray", "_frombuffer", "_reconstruct", "scalar"):
+        # _frombuffer wraps bytes the message carries; _reconstruct (object arrays, which
+        # would allocate any shape it is told) is left out.
+        if name in ("dtype", "_frombuffer", "scalar"):
             return _loaded_attr(module, name)
         return None
     if module == "numpy.dtypes" and name.endswith("DType"):
