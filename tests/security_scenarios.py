@@ -163,5 +163,25 @@ def _callee_limit_checks() -> None:
         assert rpc.rpc_sync(0, sf.echo, ("w0 still serves",), timeout=CALL_TIMEOUT) == "w0 still serves"
 
 
-for _name in ("restricted",):
+def restricted_collectives(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    """Collectives (their object ops too) with ``RPCDIST_RESTRICTED=1`` in the environment."""
+    import c10d_scenarios
+
+    import rpcdist as dist
+    from rpcdist.collectives.group import current_state
+
+    os.environ["RPCDIST_RESTRICTED"] = "1"
+    c10d_scenarios.init(rank, world_size, init_method, timeout=60)
+    with check("collectives/restricted_agent"):
+        assert current_state().agent.options.restricted
+    with check("collectives/tensors"):
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t)
+        assert t.tolist() == [float(sum(range(1, world_size + 1)))] * 4
+    c10d_scenarios._objects(rank, world_size, None)  # checks named object/<collective>
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+for _name in ("restricted", "restricted_collectives"):
     setattr(rpc_scenarios, _name, globals()[_name])

@@ -7,7 +7,8 @@ exposed and allowlisted functions, is refused the others (its own module's unexp
 those would create are absent and w1 keeps serving. w0 allows 2 calls in flight per peer
 (further calls wait), w1 allows 8, so w1's bursts to w0 are partly refused by w0.
 
-Also the parameter-server example, trained in restricted mode (``RPCDIST_RESTRICTED=1``).
+Also collectives and their object ops, and the parameter-server example (distributed autograd,
+RRefs, the DistributedOptimizer), in restricted mode (``RPCDIST_RESTRICTED=1``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ def test_restricted_loads_refuses_before_importing() -> None:
     with pytest.raises(RestrictedError, match="antigravity.geohash"):
         serialization.loads(payload, restricted=True)
     assert "antigravity" not in sys.modules
+
+
+@pytest.mark.timeout(200)
+def test_collectives_and_object_collectives_work_restricted(tmp_path: Path) -> None:
+    run = run_group(
+        tmp_path,
+        "restricted_collectives",
+        2,
+        "env",
+        params={"scenarios": ImportFirst("security_scenarios")},
+        timeout=150,
+    )
+    for rank in (0, 1):
+        run.check("collectives/restricted_agent", rank=rank)
+        run.check("collectives/tensors", rank=rank)
+        for name in ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list"):
+            run.check(name, rank=rank)
 
 
 ACCURACY = re.compile(r"result: test accuracy ([\d.]+)")
