@@ -300,10 +300,12 @@ def _builtin_trusted(module: str, name: str) -> Any:
         return None
     if module == "torch._C" and name == "_VariableFunctionsClass":
         return _loaded_attr(module, name)  # only a namespace: its functions pass _restricted_getattr
-    if module.startswith(("torch.optim", "torch.nn.modules")):
-        # torch's own optimizers and layers: constructing one runs nothing else
+    if module.startswith("torch.optim"):
+        # torch's own optimizers (for the DistributedOptimizer): they allocate only per
+        # parameter the message carries. Not torch.nn layers: Linear(10**6, 10**6) would
+        # allocate terabytes (allowlist or register the ones a job sends).
         value = _loaded_attr(module, name)
-        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer | torch.nn.Module):
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
             return value
         return None
     if module == "rpcdist.errors":
