@@ -373,10 +373,8 @@ def test_fuzz_every_store_method(store: GrpcStore, op: tuple[str, object, object
             store.delete_key(key)  # type: ignore[arg-type]
         else:
             assert store.num_keys() <= 500
-    except StoreError:
+    except StoreError:  # the documented failures (StoreValueError, StoreTimeoutError, ...)
         pass
-    except (TypeError, ValueError) as exc:  # documented client-side refusals of bad input
-        assert isinstance(exc, StoreError) or "int64" in str(exc) or "timeout" in str(exc), exc
     if store.num_keys() >= 450:
         for k in ("a", "b", "counter"):
             store.delete_key(k)
