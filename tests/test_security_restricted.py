@@ -119,10 +119,13 @@ ACCURACY = re.compile(r"result: test accuracy ([\d.]+)")
 
 @pytest.mark.timeout(220)
 def test_parameter_server_trains_in_restricted_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As test_example_ps_pipeline's quick run (3 epochs: one is too noisy to judge), restricted."""
     pytest.importorskip("sklearn")
     monkeypatch.setenv("RPCDIST_RESTRICTED", "1")
-    stdout, report = _examples.run_example("parameter_server.py", "--epochs", "1", cwd=tmp_path, timeout=200)
+    stdout, report = _examples.run_example("parameter_server.py", "--quick", cwd=tmp_path, timeout=200)
+    for trainer in ("trainer1", "trainer2"):
+        assert re.search(rf"epoch +3/3 +{trainer} +loss [\d.]+", stdout), report
     assert "all 3 workers shut down cleanly" in stdout, report
     match = ACCURACY.search(stdout)
     assert match is not None, f"no result line\n{report}"
-    assert float(match.group(1)) > 0.3, report
+    assert float(match.group(1)) > 0.6, report
