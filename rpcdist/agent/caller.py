@@ -183,7 +183,7 @@ class Caller(LinkHandler):
         else:
             self.in_flight.pop(rank, None)
         queue = self.waiting.get(rank)
-        if not queue:
+        if not queue or self._agent.closing:
             return
         limit = self._agent.options.max_inflight_calls_per_peer
         while queue and self.in_flight.get(rank, 0) < limit:
@@ -297,6 +297,7 @@ class Caller(LinkHandler):
         watches the peer (see ``Agent.on_peer_lost``) hears of it."""
         rank = link.peer.rank
         self._agent.peer_lost(rank, reason)
+        self.waiting.pop(rank, None)  # its waiting calls fail below, never sent
         for call_id, call in list(self.pending.items()):
             if call.dest.id == rank:
                 run_undo(call.undo)  # the receiver is gone with them
