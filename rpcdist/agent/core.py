@@ -34,7 +34,6 @@ from rpcdist.agent.threads import LoopInbox, WorkerPool
 from rpcdist.errors import UnknownWorkerError, WorkerUnavailableError
 from rpcdist.futures import Future
 from rpcdist.rendezvous import Member, Rendezvous
-from rpcdist.serialization import trust
 from rpcdist.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -298,7 +297,7 @@ class Agent:
         return done
 
 
-@trust
+@serialization.trust
 @inline
 def _ping() -> None:
     """Answered by every worker's loop; used to tell a dead peer from a slow one."""
