@@ -24,6 +24,7 @@ import collections
 import importlib
 import io
 import pickle
+import pickletools
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -157,8 +158,17 @@ def loads(
     """
     if not restricted:
         return pickle.loads(payload, buffers=buffers)
+    stream = io.BytesIO(payload)
     try:
-        return _RestrictedUnpickler(io.BytesIO(payload), buffers, allowed or {}).load()
+        # Walk the opcodes first: C pickle allocates the size a (BYTEARRAY8, BINBYTES8...)
+        # opcode declares before it finds the message shorter, so 20 bytes could claim gigabytes.
+        for _ in pickletools.genops(stream):
+            pass
+    except Exception as exc:  # noqa: BLE001 - any malformation: one clear type
+        raise RestrictedError(f"restricted mode refused a malformed message: {exc}") from exc
+    stream.seek(0)
+    try:
+        return _RestrictedUnpickler(stream, buffers, allowed or {}).load()
     except RestrictedError:
         raise
     except RecursionError as exc:

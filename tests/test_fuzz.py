@@ -379,3 +379,22 @@ def test_fuzz_every_store_method(store: GrpcStore, op: tuple[str, object, object
         for k in ("a", "b", "counter"):
             store.delete_key(k)
     assert store.get("sentinel", timeout=5) == b"intact"
+
+
+@pytest.mark.parametrize(
+    "opcode", [b"\x96", b"\x8e", b"\x8d"], ids=["BYTEARRAY8", "BINBYTES8", "BINUNICODE8"]
+)
+def test_declared_huge_length_is_refused_without_allocating(opcode: bytes) -> None:
+    """Found by the fuzzer: C pickle allocates what such an opcode declares before it finds
+    the message shorter; restricted mode walks the opcodes first."""
+    import tracemalloc
+
+    raw = b"\x80\x05" + opcode + (1 << 31).to_bytes(8, "little") + b"xx."
+    tracemalloc.start()
+    try:
+        with pytest.raises(RestrictedError, match="malformed"):
+            serialization.loads(raw, restricted=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak} bytes allocated for a {len(raw)}-byte message"
