@@ -107,6 +107,7 @@ _server: ParameterServer | None = None
 _server_lock = threading.Lock()
 
 
+@rpc.expose  # callable by the trainers in restricted mode (RPCDIST_RESTRICTED=1) too
 def get_parameter_server(seed: int = 0) -> ParameterServer:
     """This process's ParameterServer, made on first call (every trainer calls this)."""
     global _server

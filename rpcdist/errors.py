@@ -25,6 +25,7 @@ rpcdist's errors too::
         │   └── WorkerDiedError      its connection closed or it stopped answering heartbeats
         ├── PayloadTooLargeError     (ValueError) message above the configured maximum
         └── SerializationError       (TypeError) arguments/results that cannot be pickled
+            └── RestrictedError      restricted mode refused a function or class in a message
 
 ``DistError``, ``DistBackendError``, ``DistNetworkError``, ``DistStoreError`` and
 ``QueueEmptyError`` are torch's own classes, re-exported here (``rpcdist.DistError is
@@ -87,6 +88,7 @@ __all__ = [
     "WorkerDiedError",
     "PayloadTooLargeError",
     "SerializationError",
+    "RestrictedError",
     "annotate_remote",
 ]
 
@@ -169,6 +171,11 @@ class PayloadTooLargeError(RpcError, ValueError):
 
 class SerializationError(RpcError, TypeError):
     """Arguments or a result could not be pickled (raised before anything is sent)."""
+
+
+class RestrictedError(SerializationError):
+    """Restricted mode refused to decode a message: it names a function or class that is not
+    exposed (``rpcdist.rpc.expose``), allowlisted or registered (``register_safe_class``)."""
 
 
 def annotate_remote(exc: BaseException, worker: str, function: str, remote_traceback: str) -> BaseException:

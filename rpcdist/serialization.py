@@ -8,21 +8,45 @@ owning their memory::
 
     payload, buffers = dumps({"w": torch.ones(1024)})
     obj = loads(payload, [bytearray(b) for b in buffers])
+
+In restricted mode (``loads(..., restricted=True)``) the stream may name only globals this
+process trusts: tensors, numpy arrays, Python primitives and containers, builtin exceptions,
+rpcdist's own runtime messages (marked with :func:`trust`), callables exposed with
+:func:`expose` and classes registered with :func:`register_safe_class`. Anything else raises
+:class:`~rpcdist.errors.RestrictedError` before it is imported or called, so a pickle whose
+``__reduce__`` names ``os.system`` runs nothing.
 """
 
 from __future__ import annotations
 
+import builtins
+import collections
+import importlib
 import io
 import pickle
-from collections.abc import Callable, Sequence
-from typing import Any
+import pickletools
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from rpcdist.errors import SerializationError
+from rpcdist.errors import RestrictedError, SerializationError
 
-__all__ = ["dumps", "loads", "check_importable", "rebuild_tensor"]
+__all__ = [
+    "dumps",
+    "loads",
+    "check_importable",
+    "rebuild_tensor",
+    "trust",
+    "expose",
+    "register_safe_class",
+    "resolve_allowlist",
+]
+
+T = TypeVar("T")
 
 Buffer = memoryview | bytearray | bytes
 GradReducer = Callable[[torch.Tensor, tuple[Any, ...]], Any]
@@ -47,6 +71,9 @@ def rebuild_tensor(
     parameter: bool,
 ) -> torch.Tensor:
     if len(memoryview(buffer)) == 0:
+        if 0 not in tuple(shape):
+            # only an empty tensor travels without bytes: never allocate what a message claims
+            raise SerializationError(f"a tensor of shape {shape} arrived without its data")
         t = torch.empty_strided(shape, strides, dtype=dtype)
     else:
         flat = torch.frombuffer(buffer, dtype=torch.uint8)
@@ -116,9 +143,254 @@ def dumps(obj: Any, grad_reducer: GradReducer | None = None) -> tuple[bytes, lis
     return stream.getvalue(), [b.raw() for b in out_of_band] if out_of_band else []
 
 
-def loads(payload: bytes, buffers: Sequence[Buffer] = ()) -> Any:
-    """Rebuild what :func:`dumps` produced, over ``buffers`` (which the objects then own)."""
-    return pickle.loads(payload, buffers=buffers)
+def loads(
+    payload: bytes | memoryview,
+    buffers: Sequence[Buffer] = (),
+    restricted: bool = False,
+    allowed: dict[str, Any] | None = None,
+) -> Any:
+    """Rebuild what :func:`dumps` produced, over ``buffers`` (which the objects then own).
+
+    With ``restricted=True`` only trusted globals are admitted (see the module docstring),
+    plus ``allowed`` (``{"module:qualname": object}``, from :func:`resolve_allowlist`); any
+    other raises :class:`~rpcdist.errors.RestrictedError`, and so does malformed input
+    (restricted mode decodes bytes from untrusted peers: every failure is that one type).
+    """
+    if not restricted:
+        return pickle.loads(payload, buffers=buffers)
+    stream = io.BytesIO(payload)
+    try:
+        # Walk the opcodes first: C pickle allocates the size a (BYTEARRAY8, BINBYTES8...)
+        # opcode declares before it finds the message shorter, so 20 bytes could claim gigabytes.
+        for _ in pickletools.genops(stream):
+            pass
+    except Exception as exc:  # noqa: BLE001 - any malformation: one clear type
+        raise RestrictedError(f"restricted mode refused a malformed message: {exc}") from exc
+    stream.seek(0)
+    try:
+        return _RestrictedUnpickler(stream, buffers, allowed or {}).load()
+    except RestrictedError:
+        raise
+    except RecursionError as exc:
+        raise RestrictedError("restricted mode refused a message nested too deeply") from exc
+    except Exception as exc:  # noqa: BLE001 - a malformed stream raises anything; say so as one type
+        reason = f"{type(exc).__name__}: {exc}"
+        raise RestrictedError(f"restricted mode could not decode a message: {reason}") from exc
+
+
+# ---------------------------------------------------------------------------- restricted mode
+# "module:qualname" -> object, as pickle names globals (``whichmodule`` / ``__qualname__``).
+_trusted: dict[str, Any] = {}
+_trusted_ids: dict[int, Any] = {}  # id -> object: what a restricted ``getattr`` may return
+_trusted_lock = threading.Lock()
+
+# Only constructors that cannot allocate more than the message holds: no ``range`` (a lazy
+# iterable of any length that ``set``/``list`` would expand) and no ``bytes(n)``/``bytearray(n)``
+# (protocol 5 encodes those with opcodes, not by calling them).
+_SAFE_BUILTINS = ("set", "frozenset", "complex", "slice")
+
+
+def _pickle_name(obj: Any) -> str:
+    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if qualname is None:
+        raise TypeError(f"{_describe(obj)} has no name: only functions and classes can be trusted")
+    module = pickle.whichmodule(obj, qualname)
+    return f"{module}:{qualname}"
+
+
+def trust(obj: T, *names: str) -> T:
+    """Admit ``obj`` (a function or class) in restricted-mode messages, under the name pickle
+    gives it and any extra ``"module:qualname"`` ``names``. Usable as a decorator; internal
+    (users call :func:`expose` or :func:`register_safe_class`)."""
+    with _trusted_lock:
+        for name in (_pickle_name(obj), *names):
+            _trusted[name] = obj
+        _trusted_ids[id(obj)] = obj
+    return obj
+
+
+def expose(func: T) -> T:
+    """Let peers call ``func`` on this worker in restricted mode (a decorator).
+
+    Without restricted mode it changes nothing. The function is found by its module and
+    qualified name, which the callee only looks up among exposed functions: nothing is imported
+    on a caller's say-so::
+
+        @rpcdist.rpc.expose
+        def forward(x): ...
+    """
+    if not callable(func):
+        raise TypeError(f"expose() takes a function, got {_describe(func)}")
+    return trust(func)
+
+
+def register_safe_class(cls: type[T]) -> type[T]:
+    """Let instances of ``cls`` travel in restricted-mode messages (arguments and results).
+
+    Decoding an instance calls ``cls``'s constructor path that pickle uses (``__reduce__``,
+    ``__setstate__``), so register only classes whose unpickling runs no code you would not
+    run for any caller. Usable as a decorator.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_safe_class() takes a class, got {_describe(cls)}")
+    return trust(cls)
+
+
+def resolve_allowlist(names: Iterable[str]) -> dict[str, Any]:
+    """Import the qualified names of an allowlist (``"pkg.module.function"``, or
+    ``"pkg.module:Class.method"``) and return them keyed as pickle names them.
+
+    Raises ``ValueError`` naming an entry that does not resolve: a typo should fail at
+    init, not as a refused call later.
+    """
+    allowed: dict[str, Any] = {}
+    for name in names:
+        obj = _import_qualified(name)
+        if obj is None:
+            raise ValueError(
+                f"allowlist entry {name!r} does not name an importable function or class "
+                "(write it as 'package.module.function' or 'package.module:Class.method')"
+            )
+        allowed[_pickle_name(obj)] = obj
+        module, _, qualname = name.rpartition(":") if ":" in name else name.rpartition(".")
+        allowed[f"{module}:{qualname}"] = obj
+    return allowed
+
+
+def _import_qualified(name: str) -> Any:
+    if ":" in name:
+        module_name, qualname = name.split(":", 1)
+        candidates = [(module_name, qualname)]
+    else:
+        parts = name.split(".")
+        candidates = [(".".join(parts[:i]), ".".join(parts[i:])) for i in range(len(parts) - 1, 0, -1)]
+    for module_name, qualname in candidates:
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        try:
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if callable(obj):
+            return obj
+    return None
+
+
+def _builtin_trusted(module: str, name: str) -> Any:
+    """The globals every restricted process admits (data, not code), or None."""
+    if module == "builtins":
+        value = getattr(builtins, name, None)
+        if name in _SAFE_BUILTINS:
+            return value
+        if isinstance(value, type) and issubclass(value, BaseException):
+            return value  # exceptions travel back to callers
+        if name == "getattr":
+            return _restricted_getattr
+        return None
+    if module == "collections" and name in ("OrderedDict", "deque", "Counter"):
+        return getattr(collections, name)
+    if module in ("numpy", "numpy._core.numeric", "numpy.core.numeric", "numpy._core.multiarray",
+                  "numpy.core.multiarray"):
+        # _frombuffer wraps bytes the message carries; _reconstruct (object arrays, which
+        # would allocate any shape it is told) is left out.
+        if name in ("dtype", "_frombuffer", "scalar"):
+            return _loaded_attr(module, name)
+        return None
+    if module == "numpy.dtypes" and name.endswith("DType"):
+        return _loaded_attr(module, name)
+    if module == "torch":
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format) or any(
+            value is cls for cls in (torch.device, torch.Size)
+        ):
+            return value
+        return None
+    if module == "torch._C" and name == "_VariableFunctionsClass":
+        return _loaded_attr(module, name)  # only a namespace: its functions pass _restricted_getattr
+    if module.startswith("torch.optim"):
+        # torch's own optimizers (for the DistributedOptimizer): they allocate only per
+        # parameter the message carries. Not torch.nn layers: Linear(10**6, 10**6) would
+        # allocate terabytes (allowlist or register the ones a job sends).
+        value = _loaded_attr(module, name)
+        if isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+            return value
+        return None
+    if module == "rpcdist.errors":
+        value = _loaded_attr(module, name)
+        return value if isinstance(value, type) and issubclass(value, BaseException) else None
+    return None
+
+
+def _loaded_attr(module: str, qualname: str) -> Any:
+    """``module.qualname`` if the module is already imported (restricted mode imports nothing)."""
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _restricted_getattr(owner: Any, name: str) -> Any:
+    """``getattr`` as pickle uses it for methods and torch's builtin functions, admitting only
+    trusted results."""
+    if not isinstance(name, str) or name.startswith("__"):
+        raise RestrictedError(f"restricted mode refused getattr(..., {name!r})")
+    value = getattr(owner, name, None)
+    if value is not None and (
+        _trusted_ids.get(id(value)) is value or _current_allowed_ids().get(id(value)) is value
+    ):
+        return value
+    raise RestrictedError(_refusal(f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"))
+
+
+_local = threading.local()
+
+
+def _current_allowed_ids() -> dict[int, Any]:
+    return getattr(_local, "allowed_ids", {})
+
+
+def _refusal(what: str) -> str:
+    return (
+        f"restricted mode refused {what}: it is not exposed or registered on this worker (decorate a "
+        f"function with @rpcdist.rpc.expose, list it in RpcBackendOptions(allowlist=[...]), or register a "
+        f"class with rpcdist.rpc.register_safe_class)"
+    )
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, stream: io.BytesIO, buffers: Sequence[Buffer], allowed: dict[str, Any]) -> None:
+        super().__init__(stream, buffers=buffers)
+        self._allowed = allowed
+
+    def load(self) -> Any:
+        previous = getattr(_local, "allowed_ids", None)
+        _local.allowed_ids = {id(v): v for v in self._allowed.values()}
+        try:
+            return super().load()
+        finally:
+            _local.allowed_ids = previous
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = f"{module}:{name}"
+        obj = _trusted.get(key)
+        if obj is None:
+            obj = self._allowed.get(key)
+        if obj is None:
+            obj = _builtin_trusted(module, name)
+        if obj is None:
+            raise RestrictedError(_refusal(f"{module}.{name}"))
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RestrictedError("restricted mode refused a persistent id")
+
+
+trust(rebuild_tensor)
 
 
 def _describe(obj: Any) -> str:

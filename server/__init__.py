@@ -6,6 +6,7 @@ Usage::
     rpcdist-server --port 29500 --data-dir /var/lib/rpcdist   # keys survive a crash/restart
     python -m rpcdist.programs.server --port 0        # an ephemeral port
     rpcdist-server --host 0.0.0.0 --auth-token-file token --tls-cert c.pem --tls-key k.pem --tls-ca ca.pem
+    rpcdist-server --max-key-bytes 4096 --max-value-bytes 1048576 --max-keys 100000
 
 When ready it prints ``rpcdist-server listening on HOST:PORT`` (the real port, also for
 ``--port 0``) on stdout. SIGTERM or SIGINT stops it gracefully, with exit status 0; an address
@@ -15,6 +16,10 @@ Without ``--data-dir`` the keys live in memory only and nothing is written anywh
 every change is logged in that directory and synced to disk before it is answered (concurrent
 writers share syncs), the log is compacted into a snapshot once it exceeds
 ``--wal-max-bytes``, and a restart (even after ``kill -9``) recovers every acknowledged key.
+
+``--max-key-bytes``, ``--max-value-bytes`` and ``--max-keys`` cap what clients can make it hold
+(see :class:`~rpcdist.store.service.StoreLimits` for the defaults): a request above a cap is
+refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming the limit, and nothing is stored.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from rpcdist import security
 from rpcdist.errors import StoreError
 from rpcdist.rendezvous import is_loopback
 from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES
-from rpcdist.store.service import StoreServer, format_address
+from rpcdist.store.service import StoreLimits, StoreServer, format_address
 
 log = logging.getLogger("rpcdist.programs.server")
 
@@ -71,13 +76,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         f"(default: {DEFAULT_WAL_MAX_BYTES}, or the last snapshot's size if larger)",
     )
     security.add_arguments(parser)
+    defaults = StoreLimits()
+    parser.add_argument(
+        "--max-key-bytes",
+        type=_positive_int,
+        default=defaults.max_key_bytes,
+        help=f"longest key accepted, in bytes (default: {defaults.max_key_bytes})",
+    )
+    parser.add_argument(
+        "--max-value-bytes",
+        type=_positive_int,
+        default=defaults.max_value_bytes,
+        help=f"largest value accepted, in bytes (default: {defaults.max_value_bytes})",
+    )
+    parser.add_argument(
+        "--max-keys",
+        type=_positive_int,
+        default=defaults.max_keys,
+        help=f"keys the store may hold; requests adding more are refused (default: {defaults.max_keys})",
+    )
     return parser.parse_args(argv)
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, not {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
     return value
 
 
@@ -88,6 +112,7 @@ async def serve(
     data_dir: str | None = None,
     wal_max_bytes: int = DEFAULT_WAL_MAX_BYTES,
     credentials: security.Security | None = None,
+    limits: StoreLimits | None = None,
 ) -> int:
     """Run the store server until SIGTERM/SIGINT; returns the exit status.
 
@@ -112,7 +137,9 @@ async def serve(
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
     try:
         if data_dir is None:
-            server = await StoreServer.start(host, port, security=credentials, job_token=job_token)
+            server = await StoreServer.start(
+                host, port, security=credentials, job_token=job_token, limits=limits
+            )
         else:
             server = await StoreServer.start(
                 host,
@@ -121,6 +148,7 @@ async def serve(
                 wal_max_bytes=wal_max_bytes,
                 security=credentials,
                 job_token=job_token,
+                limits=limits,
             )
     except StoreError as exc:
         log.error("%s", exc)
@@ -148,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT before the handlers were installed
+        limits = StoreLimits(args.max_key_bytes, args.max_value_bytes, args.max_keys)
         return asyncio.run(
-            serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes, credentials)
+            serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes, credentials, limits)
         )
     return 0

@@ -457,6 +457,19 @@ def run_processes(
     return launch.finish(timeout)
 
 
+class ImportFirst:
+    """A scenario parameter whose unpickling (in the worker, before the scenario runs) imports
+    ``module``, which registers its scenarios on ``rpc_scenarios`` where the worker looks."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __reduce__(self) -> Any:
+        import importlib
+
+        return importlib.import_module, (self.module,)
+
+
 def run_group(
     workdir: Path,
     scenario: str,

@@ -9,30 +9,17 @@ its own ``asyncio.run``: ``backward_async``, ``step_async``).
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from typing import Any
 
 import pytest
-from _harness import GroupRun, ProcSpec, run_processes
+from _harness import GroupRun, ImportFirst, ProcSpec, run_processes
 
 pytestmark = pytest.mark.timeout(300)
 
 
-class _ImportFirst:
-    """A scenario parameter whose unpickling (in the worker, before the scenario runs) imports
-    ``module``, which registers its scenarios on ``rpc_scenarios`` where ``_harness`` looks."""
-
-    def __init__(self, module: str) -> None:
-        self.module = module
-
-    def __reduce__(self) -> Any:
-        return importlib.import_module, (self.module,)
-
-
 def _launch(workdir: Path, scenario: str, world_size: int, timeout: float) -> GroupRun:
     specs = [
-        ProcSpec(scenario, rank, world_size, {"scenarios": _ImportFirst("autograd_scenarios")})
+        ProcSpec(scenario, rank, world_size, {"scenarios": ImportFirst("autograd_scenarios")})
         for rank in range(world_size)
     ]
     return run_processes(workdir, specs, "env", timeout=timeout)

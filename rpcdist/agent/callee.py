@@ -21,9 +21,9 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rpcdist import serialization
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
+from rpcdist.errors import RpcError
 from rpcdist.transport import Entries, frames, shm
 from rpcdist.transport.writer import FrameWriter
 
@@ -135,7 +135,14 @@ class Callee:
         try:
             if isinstance(buffers, Exception):
                 raise buffers
-            func, args, kwargs, *state = serialization.loads(header.payload, buffers)
+            limit = self.agent.options.max_inflight_calls_per_peer
+            if len(session.running) >= limit:
+                raise RpcError(
+                    f"worker {self.agent.info.name} refused the call: caller rank {header.caller_rank} "
+                    f"already has {len(session.running)} calls running here "
+                    f"(max_inflight_calls_per_peer={limit})"
+                )
+            func, args, kwargs, *state = self.agent.decode(header.payload, buffers)
         except Exception as exc:
             self._respond_error(session, call_id, function, exc, loading=True)
             return

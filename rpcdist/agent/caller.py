@@ -10,6 +10,7 @@ of the link fails every call pending on it with WorkerUnavailableError.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import threading
 import weakref
@@ -49,6 +50,7 @@ class OutgoingCall:
         "future",
         "timer",
         "call_id",
+        "sent",
     )
 
     def __init__(
@@ -71,6 +73,7 @@ class OutgoingCall:
         self.future = future
         self.timer: asyncio.TimerHandle | None = None
         self.call_id = 0
+        self.sent = False  # on the wire (counted in the peer's in-flight calls)
 
 
 class Caller(LinkHandler):
@@ -84,6 +87,10 @@ class Caller(LinkHandler):
         self.pending: dict[int, OutgoingCall] = {}
         self.no_pending = asyncio.Event()
         self.no_pending.set()
+        # Backpressure: calls on the wire per peer rank, and the calls waiting for a free place
+        # (in order) once a peer has max_inflight_calls_per_peer of them.
+        self.in_flight: dict[int, int] = {}
+        self.waiting: dict[int, collections.deque[OutgoingCall]] = {}
 
     # ------------------------------------------------------------------ sending
     def submit(
@@ -125,15 +132,31 @@ class Caller(LinkHandler):
             self._abandon(call, RpcError(f"worker {agent.info.name} is shutting down"))
             return
         call.call_id = call_id = next(self._call_ids)
+        rank = call.dest.id
+        if self.in_flight.get(rank, 0) >= agent.options.max_inflight_calls_per_peer:
+            # Wait for a reply from that peer; the timeout already runs.
+            self.pending[call_id] = call
+            self.no_pending.clear()
+            self.waiting.setdefault(rank, collections.deque()).append(call)
+            if call.timeout > 0:
+                call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
+            return
         try:
-            link = agent.transport.link(call.dest.id)
+            link = agent.transport.link(rank)
         except Exception as exc:
             self._abandon(call, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
             return
         self.pending[call_id] = call
         self.no_pending.clear()
-        if call.timeout > 0:
+        if call.timeout > 0 and call.timer is None:
             call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
+        self._send(link, call)
+
+    def _send(self, link: Link, call: OutgoingCall) -> None:
+        agent = self._agent
+        call_id = call.call_id
+        call.sent = True
+        self.in_flight[call.dest.id] = self.in_flight.get(call.dest.id, 0) + 1
         link.send(
             frames.encode_message(
                 call_id,
@@ -148,6 +171,38 @@ class Caller(LinkHandler):
             )
         )
         call.payload, call.buffers = b"", []  # the writer holds them now
+
+    def _ended(self, call: OutgoingCall) -> None:
+        """``call`` left ``pending``: free its place and send the peer's next waiting call."""
+        if not call.sent:
+            return
+        rank = call.dest.id
+        count = self.in_flight.get(rank, 1) - 1
+        if count > 0:
+            self.in_flight[rank] = count
+        else:
+            self.in_flight.pop(rank, None)
+        queue = self.waiting.get(rank)
+        if not queue or self._agent.closing:
+            return
+        limit = self._agent.options.max_inflight_calls_per_peer
+        while queue and self.in_flight.get(rank, 0) < limit:
+            queued = queue.popleft()
+            if self.pending.get(queued.call_id) is not queued:
+                continue  # timed out or failed while waiting
+            try:
+                link = self._agent.transport.link(rank)
+            except Exception as exc:  # noqa: BLE001 - the peer went away meanwhile
+                self.pending.pop(queued.call_id, None)
+                if queued.timer is not None:
+                    queued.timer.cancel()
+                self._abandon(queued, WorkerUnavailableError(f"cannot reach {queued.dest.name}: {exc}"))
+                continue
+            self._send(link, queued)
+        if not queue:
+            self.waiting.pop(rank, None)
+        if not self.pending:
+            self.no_pending.set()
 
     def _abandon(self, call: OutgoingCall, error: BaseException) -> None:
         """The call never left: give back what it took and fail it."""
@@ -168,7 +223,7 @@ class Caller(LinkHandler):
             ),
         )
         link = self._agent.transport.existing_link(call.dest.id)
-        if link is not None:
+        if link is not None and call.sent:
             link.send(iter([frames.encode_control(call_id, frames.CANCEL)]))
 
     def fail(self, call_id: int, error: BaseException) -> None:
@@ -179,6 +234,10 @@ class Caller(LinkHandler):
         self._drop_shared(call)
         if call.timer is not None:
             call.timer.cancel()
+        if not call.sent:
+            run_undo(call.undo)  # it never left: give back what it carried
+            call.undo, call.payload, call.buffers = [], b"", []
+        self._ended(call)
         if not self.pending:
             self.no_pending.set()
         call.future._try_complete(None, error)
@@ -212,6 +271,7 @@ class Caller(LinkHandler):
                 agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read them
             if call.timer is not None:
                 call.timer.cancel()
+            self._ended(call)
             if not self.pending:
                 self.no_pending.set()
             if isinstance(buffers, Exception):
@@ -220,7 +280,7 @@ class Caller(LinkHandler):
                 )
             elif header.kind == frames.RESPONSE:
                 try:
-                    result = serialization.loads(header.payload, buffers)
+                    result = agent.decode(header.payload, buffers)
                 except Exception as exc:
                     call.future._try_complete(
                         None, SerializationError(f"cannot unpickle the result of {call.function}: {exc}")
@@ -229,7 +289,7 @@ class Caller(LinkHandler):
                 call.future._try_complete(result, None)
             else:
                 call.future._try_complete(
-                    None, rebuild_error(header.payload, buffers, call.function, call.dest.name)
+                    None, rebuild_error(header.payload, buffers, call.function, call.dest.name, agent.decode)
                 )
 
     def on_lost(self, link: Link, reason: str) -> None:
@@ -237,6 +297,7 @@ class Caller(LinkHandler):
         watches the peer (see ``Agent.on_peer_lost``) hears of it."""
         rank = link.peer.rank
         self._agent.peer_lost(rank, reason)
+        self.waiting.pop(rank, None)  # its waiting calls fail below, never sent
         for call_id, call in list(self.pending.items()):
             if call.dest.id == rank:
                 run_undo(call.undo)  # the receiver is gone with them

@@ -60,18 +60,24 @@ def describe_error(
 
 
 def rebuild_error(
-    payload: bytes | memoryview, buffers: list[memoryview], function: str, dest: str
+    payload: bytes | memoryview,
+    buffers: list[memoryview],
+    function: str,
+    dest: str,
+    decode: Callable[..., Any] = serialization.loads,
 ) -> BaseException:
-    """The exception the caller sees: the remote type when it rebuilds here, else RemoteError."""
+    """The exception the caller sees: the remote type when it rebuilds here, else RemoteError.
+
+    ``decode(payload, buffers)`` unpickles (the agent's: restricted in restricted mode)."""
     try:
-        info = serialization.loads(payload, buffers)
+        info = decode(payload, buffers)
     except Exception as exc:
         return RemoteError(f"{function} failed on worker {dest} (error not readable: {exc})")
     where = f"on worker {info['worker']} in {info['function']}"
     exc: Any = None
     if info.get("exception"):
         try:
-            exc = pickle.loads(info["exception"])
+            exc = decode(info["exception"])
         except Exception:  # noqa: BLE001 - the class is not importable here
             exc = None
     if isinstance(exc, BaseException):

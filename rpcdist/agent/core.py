@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from rpcdist import serialization
 from rpcdist.agent.callee import Callee, awaitable
 from rpcdist.agent.caller import Caller
 from rpcdist.agent.codec import pickle_message
@@ -68,6 +69,8 @@ class Agent:
         self.closing = False
         self._closed = False
         self._peer_lost_listeners: list[Callable[[WorkerInfo, str], None]] = []
+        # Restricted mode: the allowlist is imported now, so a typo fails init, not a call later.
+        self.allowed = serialization.resolve_allowlist(options.allowlist) if options.restricted else {}
         self.caller = Caller(self)
         self.callee = Callee(self)
         self.transport = Transport(
@@ -245,6 +248,10 @@ class Agent:
         reducer = self.extension.tensor_reducer(state, peer) if self.extension is not None else None
         return pickle_message(obj, what, self.options.max_payload_bytes, reducer)
 
+    def decode(self, payload: bytes | memoryview, buffers: Any = ()) -> Any:
+        """Unpickle a message from a peer (restricted when the options say so)."""
+        return serialization.loads(payload, buffers, self.options.restricted, self.allowed)
+
     def start_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
         """Start a user function the way calls run (``async def`` on the loop, others on the
         pool, in the current contextvars context); returns a future of its result. Loop only."""
@@ -291,6 +298,7 @@ class Agent:
         return done
 
 
+@serialization.trust
 @inline
 def _ping() -> None:
     """Answered by every worker's loop; used to tell a dead peer from a slow one."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from rpcdist.errors import MembershipError
 from rpcdist.security import Security
+from rpcdist.serialization import trust
 
 __all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo"]
 
@@ -16,6 +18,12 @@ DEFAULT_RPC_TIMEOUT = 60.0
 MAX_NAME_LEN = 128
 _VALID_NAME = re.compile(r"[A-Za-z0-9_:\-]+")
 DEFAULT_INIT_METHOD = "env://"
+DEFAULT_MAX_INFLIGHT_CALLS_PER_PEER = 1024
+
+
+def _restricted_from_env() -> bool:
+    """``RPCDIST_RESTRICTED=1`` turns restricted mode on for every worker of the process."""
+    return os.environ.get("RPCDIST_RESTRICTED", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class BackendType(enum.Enum):
@@ -25,6 +33,7 @@ class BackendType(enum.Enum):
     TENSORPIPE = "GRPC"  # alias: code written for torch keeps working
 
 
+@trust
 @dataclass(frozen=True)
 class WorkerInfo:
     """A worker's name and id (its rank), as ``torch.distributed.rpc.WorkerInfo``."""
@@ -69,6 +78,17 @@ class RpcBackendOptions:
             hosts that vanish, links that are cut and processes that hang on other hosts).
             0 turns heartbeats off.
         heartbeat_misses: heartbeats a peer may leave unanswered (see ``heartbeat_interval``).
+        restricted: restricted mode (default: ``RPCDIST_RESTRICTED=1`` in the environment):
+            peers may call only functions exposed with ``@rpcdist.rpc.expose`` or named in
+            ``allowlist``, and messages are decoded by a restricted unpickler that admits
+            tensors, numpy arrays, Python primitives and containers, RRefs, rpcdist's own
+            messages and classes registered with ``rpcdist.rpc.register_safe_class``;
+            anything else is refused with ``RestrictedError`` before it is imported or run.
+        allowlist: qualified names of further functions or classes peers may name in restricted
+            mode (``"torch.add"``, ``"mypkg.model.forward"``), imported at ``init_rpc``.
+        max_inflight_calls_per_peer: calls this worker keeps in flight to one peer; further
+            calls wait, in order, until replies come back (their timeout runs meanwhile). A
+            callee refuses calls from a peer that already has more than this many running on it.
         auth_token: the job's shared secret: every store call and every link to a worker must
             carry it (default: ``RPCDIST_AUTH_TOKEN``, or the file ``RPCDIST_AUTH_TOKEN_FILE``;
             without either, a job whose store is on loopback gets a generated one). Never
@@ -96,6 +116,9 @@ class RpcBackendOptions:
     store_timeout: float = 300.0
     heartbeat_interval: float = 1.0
     heartbeat_misses: int = 3
+    restricted: bool = field(default_factory=_restricted_from_env)
+    allowlist: list[str] = field(default_factory=list)
+    max_inflight_calls_per_peer: int = DEFAULT_MAX_INFLIGHT_CALLS_PER_PEER
     extra: dict[str, Any] = field(default_factory=dict)
     auth_token: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
@@ -117,6 +140,12 @@ class RpcBackendOptions:
             raise ValueError(f"heartbeat_interval must be >= 0 seconds, got {self.heartbeat_interval}")
         if self.heartbeat_misses < 1:
             raise ValueError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        if self.max_inflight_calls_per_peer < 1:
+            raise ValueError(
+                f"max_inflight_calls_per_peer must be >= 1, got {self.max_inflight_calls_per_peer}"
+            )
+        if isinstance(self.allowlist, str) or not all(isinstance(n, str) for n in self.allowlist):
+            raise ValueError(f"allowlist must be a list of qualified names, got {self.allowlist!r}")
 
     def security(self) -> Security:
         """The credentials these options give, completed from the environment."""

@@ -22,6 +22,7 @@ from rpcdist.autograd import _contexts
 from rpcdist.autograd.engine import local_pass, local_pass_here
 from rpcdist.errors import BlockingCallError, RpcError
 from rpcdist.futures import wait_all
+from rpcdist.serialization import trust
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def _release_everywhere(context_id: int) -> None:
             log.debug("cannot release context %s on rank %s: %s", context_id, rank, exc)
 
 
+@trust
 @inline
 def _release(context_id: int) -> None:
     """On a worker that took part: forget the context, and tell the workers it involved."""

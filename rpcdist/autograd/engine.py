@@ -21,6 +21,7 @@ import torch
 from rpcdist.agent import current_agent
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
+from rpcdist.serialization import trust
 
 
 def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -139,6 +140,7 @@ async def _awaitable(future: Any) -> Any:
     return await future
 
 
+@trust
 def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
     """On the worker that sent a tensor (a pool thread, as a blocking call): continue the
     backward pass from it. The local graph runs right on this thread (no hop back to the loop

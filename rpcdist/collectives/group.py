@@ -23,6 +23,7 @@ from rpcdist.collectives.loans import LOAN_MIN_BYTES, Loan, borrow_tensor, lend_
 from rpcdist.collectives.mailbox import Mailbox
 from rpcdist.errors import DistBackendError, RpcdistError, WorkerDiedError
 from rpcdist.futures import Future
+from rpcdist.serialization import trust
 from rpcdist.transport.shm import SlotPool
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ def set_state(state: _State | None) -> None:
     _state = state
 
 
+@trust
 @inline
 def _deliver(group_id: int, src: int, tag: Any, header: Any, payload: Any) -> None:
     """Runs on the receiver's loop for every message: file it for the matching receive."""
@@ -214,6 +216,7 @@ def _deliver(group_id: int, src: int, tag: Any, header: Any, payload: Any) -> No
     state.mailbox.deliver((group_id, tag), src, (header, payload))
 
 
+@trust
 @inline
 def _deliver_loan(group_id: int, src: int, tag: Any, header: Any, descriptor: tuple[Any, ...]) -> Any:
     """Like :func:`_deliver` for a tensor lent in a shared-memory slot; the reply (which frees

@@ -23,6 +23,7 @@ from rpcdist.autograd import get_gradients
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future, wait_all
 from rpcdist.rpc import RRef, rpc_async
+from rpcdist.serialization import trust
 
 __all__ = ["DistributedOptimizer"]
 
@@ -57,6 +58,7 @@ class _LocalOptimizer:
                 param.grad = None  # the context's gradients were lent for this step only
 
 
+@trust
 def _new_local_optimizer(
     optimizer_class: type[torch.optim.Optimizer], params: list[RRef[Any]], args: Any, kwargs: Any
 ) -> tuple[RRef[_LocalOptimizer], int]:
@@ -65,6 +67,7 @@ def _new_local_optimizer(
     return RRef(local), local.key
 
 
+@trust
 def _step(key: int, context_id: int) -> None:
     """On the owner: step the local optimizer ``key`` with ``context_id``'s gradients."""
     local = _LocalOptimizer._live.get(key)

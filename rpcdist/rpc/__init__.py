@@ -6,7 +6,7 @@ rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
 rpc.shutdown()
 """
 
-from rpcdist.errors import RemoteError, RpcError, RpcTimeoutError
+from rpcdist.errors import RemoteError, RestrictedError, RpcError, RpcTimeoutError
 from rpcdist.futures import Future
 from rpcdist.rpc import functions
 from rpcdist.rpc.api import (
@@ -27,12 +27,14 @@ from rpcdist.rpc.api import (
 from rpcdist.rpc.elastic import get_worker_infos, membership_change, on_membership_change
 from rpcdist.rpc.options import BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from rpcdist.rpc.rref import RRef, debug_info
+from rpcdist.serialization import expose, register_safe_class
 
 __all__ = [
     "BackendType",
     "Future",
     "RRef",
     "RemoteError",
+    "RestrictedError",
     "RpcBackendOptions",
     "RpcError",
     "RpcTimeoutError",
@@ -43,6 +45,8 @@ __all__ = [
     "get_rpc_timeout",
     "is_available",
     "debug_info",
+    "expose",
+    "register_safe_class",
     "functions",
     "get_all_worker_infos",
     "get_worker_info",

@@ -37,6 +37,7 @@ from rpcdist.agent import Agent, WorkerInfo, current_agent
 from rpcdist.agent.markers import inline
 from rpcdist.errors import MembershipError, RendezvousError, RpcError, StoreError
 from rpcdist.rendezvous import Member
+from rpcdist.serialization import trust
 from rpcdist.store import Store
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ async def _prune_if_dead(agent: Agent, store: Store, peer: WorkerInfo) -> None:
 
 
 # ============================================================================ the messages
+@trust
 @inline
 def _member_joined(name: str, rank: int, card: dict[str, str]) -> None:
     """On every member: ``name`` (``rank``) joined; it can be called now."""
@@ -223,6 +225,7 @@ def _member_joined(name: str, rank: int, card: dict[str, str]) -> None:
     _announce(agent, JOINED, WorkerInfo(name, rank))
 
 
+@trust
 @inline
 def _member_left(rank: int) -> None:
     """On every member: ``rank`` left the group."""

@@ -50,6 +50,7 @@ from torch.autograd.profiler_util import FunctionEvent
 
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
 from rpcdist.futures import Future
+from rpcdist.serialization import trust
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ def profiled(key: Callable[[], str], start: Callable[[], Future[Any]]) -> Future
 
 
 # ============================================================================ the callee's events
+@trust
 @dataclass
 class RemoteEvent:
     """One event a callee recorded, as it travels back: times in µs from the start of the
@@ -128,6 +130,7 @@ class RemoteEvent:
     sequence_nr: int = -1
 
 
+@trust
 @dataclass
 class Profiled:
     """What a profiled call returns over the wire: the function's result and its events."""
@@ -291,6 +294,7 @@ def profiled_call(
     return profiled(lambda: key, start)
 
 
+@trust
 def run_profiled(func: Callable[..., Any], flags: tuple[bool, bool], *args: Any, **kwargs: Any) -> Any:
     """On the callee: run ``func`` under torch's legacy profiler (this thread only) and
     return :class:`Profiled` with its events; just run it if this thread is profiled already."""

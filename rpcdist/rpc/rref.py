@@ -37,8 +37,9 @@ from rpcdist import serialization
 from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
-from rpcdist.errors import RpcError, RpcTimeoutError, annotate_remote
+from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
+from rpcdist.serialization import trust
 
 if TYPE_CHECKING:
     from rpcdist.agent import Agent
@@ -443,6 +444,7 @@ class RRef(Generic[T]):
         return f"{kind}(owner={self._owner.name}, id={self._id})"
 
 
+@trust
 def _rebuild_rref(owner: WorkerInfo, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
     context = _context()
     if owner.id == context.agent.info.id:
@@ -513,21 +515,29 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
         target.set_result(source.result())
 
 
+@trust
 @inline
 def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
     return _when_owned(rref_id, lambda value: value)
 
 
+@trust
 @inline
 def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
     agent = _agent()
+    if agent.options.restricted and (not isinstance(method, str) or method.startswith("_")):
+        raise RestrictedError(
+            f"restricted mode refused calling {method!r} through an RRef: only public methods "
+            "(names without a leading underscore) of an RRef's value can be called"
+        )
     return _when_owned(
         rref._id, lambda value: agent.start_user_function(getattr(value, method), args, kwargs)
     )
 
 
+@trust
 @inline
 def _create(
     rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float = 0.0
@@ -574,6 +584,7 @@ async def _run_create(
     context.maybe_free(rref_id)  # the creator may have dropped it already
 
 
+@trust
 @inline
 def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
     """On the owner: ``user`` now holds an RRef that ``sender`` forked to it."""
@@ -582,12 +593,14 @@ def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
     context.child_accepted_at(sender, token)
 
 
+@trust
 @inline
 def _child_accepted(token: int) -> None:
     """On a fork's sender: the owner knows the receiver; our own hold may go."""
     _context().release_child(token)
 
 
+@trust
 @inline
 def _user_deleted(rref_id: RRefId, user: int) -> None:
     """On the owner: ``user`` no longer holds an RRef to ``rref_id``."""
@@ -646,6 +659,7 @@ def _await_confirmation(rref: RRef[Any], confirmation: Future[Any]) -> None:
     confirmation.add_done_callback(arrived)
 
 
+@trust
 def debug_info() -> dict[str, int]:
     """Counts of this worker's RRef state, to check for leaks::
 

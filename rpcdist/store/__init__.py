@@ -18,7 +18,7 @@ from rpcdist.store.file_store import FileStore
 from rpcdist.store.grpc_store import GrpcStore
 from rpcdist.store.hash_store import HashStore
 from rpcdist.store.memory import KeyValueState
-from rpcdist.store.service import StoreServer
+from rpcdist.store.service import StoreLimits, StoreServer
 from rpcdist.store.torch_store import TCPStore, TorchStore
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "FileStore",
     "GrpcStore",
     "StoreServer",
+    "StoreLimits",
     "KeyValueState",
     "TorchStore",
     "TCPStore",

@@ -273,6 +273,8 @@ class GrpcStore(Store):
             )
         if code is grpc.StatusCode.FAILED_PRECONDITION:
             return StoreValueError(details)
+        if code is grpc.StatusCode.INVALID_ARGUMENT:  # e.g. a key or value above the store's limits
+            return StoreValueError(f"{method_name} on key(s) {list(keys)!r} refused by {where}: {details}")
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             return StoreValueError(f"{method_name} on key(s) {list(keys)!r} rejected by {where}: {details}")
         if code is grpc.StatusCode.UNAVAILABLE:

@@ -9,8 +9,14 @@ failure) and the server goes on serving everyone else. Errors map to status code
 StoreTimeoutError          DEADLINE_EXCEEDED
 StoreValueError            FAILED_PRECONDITION
 undecodable request        INVALID_ARGUMENT
+a key or value too large   INVALID_ARGUMENT (naming the limit)
+a new key above max_keys   RESOURCE_EXHAUSTED (naming the limit)
 the data log failed        INTERNAL
 =========================  ======================
+
+:class:`StoreLimits` caps what one client can make the server hold (key and value sizes,
+the number of keys); a request above a cap is refused before it changes anything, and
+everyone else is served as before.
 
 Every handler answers only after ``state.flushed()``: with a durable state (``data_dir``) a
 change is answered once it is on disk, and no answer reveals a change that is not. An ``Add``
@@ -35,7 +41,8 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -58,10 +65,38 @@ from rpcdist.v1 import store_pb2
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 
-__all__ = ["SERVICE_NAME", "MAX_MESSAGE_BYTES", "StoreServicer", "StoreServer", "format_address"]
+__all__ = [
+    "SERVICE_NAME",
+    "MAX_MESSAGE_BYTES",
+    "StoreLimits",
+    "StoreServicer",
+    "StoreServer",
+    "format_address",
+]
 
 SERVICE_NAME = "rpcdist.v1.Store"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """What the store service accepts (``rpcdist-server --max-key-bytes/--max-value-bytes/--max-keys``).
+
+    Args:
+        max_key_bytes: longest key (UTF-8 bytes) in any request.
+        max_value_bytes: largest value a ``set``/``compare_set`` may store.
+        max_keys: keys the store may hold; a request that would add one more is refused
+            (``RESOURCE_EXHAUSTED``) until keys are deleted.
+    """
+
+    max_key_bytes: int = 16 * 1024
+    max_value_bytes: int = 32 * 1024 * 1024
+    max_keys: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_key_bytes", "max_value_bytes", "max_keys"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def format_address(host: str, port: int) -> str:
@@ -79,8 +114,49 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detai
 class StoreServicer:
     """Implements ``rpcdist.v1.Store`` over a KeyValueState (every handler runs on its loop)."""
 
-    def __init__(self, state: KeyValueState | None = None) -> None:
+    def __init__(self, state: KeyValueState | None = None, limits: StoreLimits | None = None) -> None:
         self.state = state if state is not None else KeyValueState()
+        self.limits = limits if limits is not None else StoreLimits()
+
+    async def _within_limits(
+        self,
+        context: grpc.aio.ServicerContext,
+        method: str,
+        keys: Iterable[str],
+        values: Iterable[bytes] = (),
+        creates: str | None = None,
+    ) -> None:
+        """Abort the request if a key or value is above its cap, or if it would add key
+        ``creates`` to a store already holding ``max_keys``."""
+        limits = self.limits
+        for key in keys:
+            size = len(key.encode("utf-8", "surrogatepass"))
+            if size > limits.max_key_bytes:
+                await _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: a key of {size} bytes ({key[:40]!r}...) is above the store's "
+                    f"max_key_bytes={limits.max_key_bytes}",
+                )
+        for value in values:
+            if len(value) > limits.max_value_bytes:
+                await _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: a value of {len(value)} bytes is above the store's "
+                    f"max_value_bytes={limits.max_value_bytes}",
+                )
+        if (
+            creates is not None
+            and self.state.num_keys() >= limits.max_keys
+            and self.state.get_nowait(creates) is None
+        ):
+            await _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{method}: the store holds {self.state.num_keys()} keys, its max_keys={limits.max_keys}; "
+                f"key {creates[:40]!r} was not added (delete keys, or raise rpcdist-server --max-keys)",
+            )
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _parse(self, cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
@@ -106,6 +182,7 @@ class StoreServicer:
     # -- handlers (request: raw bytes) ---------------------------------------------------------
     async def Set(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.SetResponse:
         req = await self._parse(store_pb2.SetRequest, raw, context)
+        await self._within_limits(context, "Set", [req.key], [req.value], creates=req.key)
         try:
             self.state.set(req.key, req.value)
             await self.state.flushed()
@@ -115,6 +192,7 @@ class StoreServicer:
 
     async def Get(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.GetResponse:
         req = await self._parse(store_pb2.GetRequest, raw, context)
+        await self._within_limits(context, "Get", [req.key])
         try:
             value = await self.state.get(req.key, req.timeout_seconds)
             await self.state.flushed()
@@ -124,6 +202,7 @@ class StoreServicer:
 
     async def Add(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.AddResponse:
         req = await self._parse(store_pb2.AddRequest, raw, context)
+        await self._within_limits(context, "Add", [req.key], creates=req.key)
         try:
             request = None
             if req.client_id:
@@ -142,6 +221,13 @@ class StoreServicer:
 
     async def CompareSet(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.CompareSetResponse:
         req = await self._parse(store_pb2.CompareSetRequest, raw, context)
+        await self._within_limits(
+            context,
+            "CompareSet",
+            [req.key],
+            [req.expected, req.desired],
+            creates=req.key if not req.expected else None,  # only an empty expected creates
+        )
         try:
             value = self.state.compare_set(req.key, req.expected, req.desired)
             await self.state.flushed()
@@ -151,6 +237,7 @@ class StoreServicer:
 
     async def Wait(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.WaitResponse:
         req = await self._parse(store_pb2.WaitRequest, raw, context)
+        await self._within_limits(context, "Wait", req.keys)
         try:
             await self.state.wait(list(req.keys), req.timeout_seconds)
             await self.state.flushed()
@@ -160,6 +247,7 @@ class StoreServicer:
 
     async def Check(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.CheckResponse:
         req = await self._parse(store_pb2.CheckRequest, raw, context)
+        await self._within_limits(context, "Check", req.keys)
         try:
             ready = self.state.check(req.keys)
             await self.state.flushed()
@@ -169,6 +257,7 @@ class StoreServicer:
 
     async def DeleteKey(self, raw: bytes, context: grpc.aio.ServicerContext) -> store_pb2.DeleteKeyResponse:
         req = await self._parse(store_pb2.DeleteKeyRequest, raw, context)
+        await self._within_limits(context, "DeleteKey", [req.key])
         try:
             deleted = self.state.delete_key(req.key)
             await self.state.flushed()
@@ -267,6 +356,7 @@ class StoreServer:
         wal_max_bytes: int | None = None,
         security: Security | None = None,
         job_token: bool = False,
+        limits: StoreLimits | None = None,
     ) -> StoreServer:
         """Listen on ``host:port`` (0: an ephemeral port; see :attr:`port`) and serve.
 
@@ -274,6 +364,7 @@ class StoreServer:
         before it is answered, and what the directory holds is recovered first (see
         :mod:`rpcdist.store.durable`; ``wal_max_bytes`` is the log size that triggers a
         snapshot). Without it (and without ``state``) the keys live in memory only.
+        ``limits`` caps key and value sizes and the number of keys (default: :class:`StoreLimits`).
 
         Raises StoreError if the address cannot be bound (e.g. it is already in use: the
         server never shares a port with another listener), if ``data_dir`` is in use by
@@ -296,14 +387,28 @@ class StoreServer:
             durable = await asyncio.to_thread(DurableKeyValueState.open, data_dir, limit)
             try:
                 return await cls._start(
-                    host, port, durable, max_message_bytes, True, security=security, job_token=job_token
+                    host,
+                    port,
+                    durable,
+                    max_message_bytes,
+                    limits,
+                    owns_state=True,
+                    security=security,
+                    job_token=job_token,
                 )
             except BaseException:
                 await durable.close()
                 raise
         state = state if state is not None else KeyValueState()
         return await cls._start(
-            host, port, state, max_message_bytes, owns_state=False, security=security, job_token=job_token
+            host,
+            port,
+            state,
+            max_message_bytes,
+            limits,
+            owns_state=False,
+            security=security,
+            job_token=job_token,
         )
 
     @classmethod
@@ -313,6 +418,7 @@ class StoreServer:
         port: int,
         state: KeyValueState,
         max_message_bytes: int,
+        limits: StoreLimits | None,
         owns_state: bool,
         security: Security,
         job_token: bool,
@@ -324,9 +430,9 @@ class StoreServer:
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
-            ]
+            ],
         )
-        StoreServicer(state).add_to_server(server)
+        StoreServicer(state, limits).add_to_server(server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         address = format_address(host, port)

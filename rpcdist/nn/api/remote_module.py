@@ -44,6 +44,7 @@ from rpcdist.agent.extensions import pickling_message
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future
 from rpcdist.rpc import RRef, remote, rpc_sync
+from rpcdist.serialization import trust
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def _is_device_string(text: str) -> bool:
 
 
 # ============================================================================ run on the owner
+@trust
 def _create_module(
     module_cls: Callable[..., nn.Module], args: tuple[Any, ...], kwargs: dict[str, Any], device: str
 ) -> nn.Module:
@@ -140,12 +142,14 @@ def _create_module(
     return module.to(device)
 
 
+@trust
 async def _parameter_rrefs(module_rref: RRef[nn.Module], recurse: bool) -> list[RRef[nn.Parameter]]:
     """On the owner: an RRef to every parameter of the module (once it exists)."""
     module = await module_rref.to_here_async()  # on the owner: the module itself
     return [RRef(param) for param in module.parameters(recurse)]
 
 
+@trust
 async def _set_training(module_rref: RRef[nn.Module], mode: bool) -> None:
     """On the owner: ``module.train(mode)`` (once the module exists)."""
     module = await module_rref.to_here_async()
@@ -406,6 +410,7 @@ def _refuse_torchscript(module_interface_cls: Any) -> None:
         )
 
 
+@trust
 class RemoteModule(_RemoteModule):
     """An ``nn.Module`` created and run on another worker, as
     ``torch.distributed.nn.RemoteModule`` (create it after ``rpcdist.rpc.init_rpc``).
@@ -496,6 +501,7 @@ class _ReceivedMethod:
         return f"<method {self.__name__} of {self._module()!r}>"
 
 
+@trust
 def _remote_module_receiver(cls: type[_RemoteModule], state: dict[str, Any]) -> _RemoteModule:
     """Rebuild a RemoteModule received over RPC (its ``module_rref`` is already rebuilt): the
     sent attributes, in their order, then its methods, as torch's receiver."""
