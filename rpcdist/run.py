@@ -38,6 +38,11 @@ after the start is turned away). ``--rdzv-conf join_timeout=S`` (default 600 s) 
 wait for nodes. The node hosting the rendezvous also serves the workers' store, and keeps it
 until every node's workers are done.
 
+With ``--rdzv-backend etcd --rdzv-endpoint h1:2379[,h2:2379,...]`` the launchers meet on etcd
+instead (keys under ``rpcdist-run/<run id>``, see :class:`~rpcdist.store.etcd_store.EtcdStore`):
+no node serves the rendezvous, so it survives the loss of any etcd member; the first launcher
+to claim it leads the rounds and serves the workers' store.
+
 Failures, restarts, signals
 ---------------------------
 When a worker fails, the launcher stops the rest of its node's group (SIGTERM, then SIGKILL
@@ -85,8 +90,9 @@ from typing import Any
 
 from rpcdist import _launch_env
 from rpcdist.errors import RpcdistError, StoreError, StoreTimeoutError
-from rpcdist.rendezvous import is_loopback
-from rpcdist.store import GrpcStore, HashStore, PrefixStore, Store, StoreServer
+from rpcdist.rendezvous import is_loopback, local_address_towards
+from rpcdist.store import EtcdStore, GrpcStore, HashStore, PrefixStore, Store, StoreServer
+from rpcdist.store.etcd_store import parse_endpoints
 
 log = logging.getLogger("rpcdist.run")
 
@@ -128,6 +134,7 @@ class LaunchConfig:
     term_timeout: float = 30.0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    etcd_endpoints: str = ""  # --rdzv-backend etcd: the members, comma-separated
 
     @property
     def single_node(self) -> bool:
@@ -136,7 +143,7 @@ class LaunchConfig:
 
     @property
     def rdzv_endpoint(self) -> str:
-        return f"{self.rdzv_host}:{self.rdzv_port}"
+        return self.etcd_endpoints or f"{self.rdzv_host}:{self.rdzv_port}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,8 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     option(
         "--rdzv-backend",
         default="rpcdist",
-        choices=["rpcdist", "c10d", "static"],
-        help="accepted for torchrun command lines: nodes always meet through rpcdist's store",
+        choices=["rpcdist", "c10d", "static", "etcd"],
+        help="etcd: meet on the etcd at --rdzv-endpoint H:P[,H:P...]; the others (torchrun's names) "
+        "meet through rpcdist's store",
     )
     option("--rdzv-conf", default="", help="join_timeout=S,last_call_timeout=S,is_host=0|1")
     option("--standalone", action="store_true", help="a single node, on free local ports")
@@ -273,7 +281,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         log.warning(
             "--rdzv-conf: ignoring %s (rpcdist-run knows join_timeout, last_call_timeout, is_host)", unknown
         )
-    if args.rdzv_endpoint:
+    etcd_endpoints = ""
+    if args.rdzv_backend == "etcd":
+        if not args.rdzv_endpoint:
+            raise LaunchError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] of etcd")
+        try:
+            etcd_endpoints = ",".join(parse_endpoints(args.rdzv_endpoint))
+        except StoreError as exc:
+            raise LaunchError(f"--rdzv-endpoint: {exc}") from None
+        rdzv_host, rdzv_port = _parse_endpoint(etcd_endpoints.split(",")[0], DEFAULT_RDZV_PORT)
+    elif args.rdzv_endpoint:
         rdzv_host, rdzv_port = _parse_endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT)
     else:  # torchrun's static rendezvous: the master address is the meeting point
         rdzv_host, rdzv_port = args.master_addr, args.master_port or DEFAULT_MASTER_PORT
@@ -298,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         term_timeout=args.term_timeout,
         master_addr=args.master_addr,
         master_port=args.master_port if single else None,
+        etcd_endpoints=etcd_endpoints,
     )
 
 
@@ -559,6 +577,9 @@ class NodeRendezvous:
         """Host the rendezvous store, or connect to the node that does."""
         cfg = self.config
         prefix = f"rpcdist-run/{cfg.run_id}"
+        if cfg.etcd_endpoints:
+            await self._open_etcd(prefix)
+            return
         if cfg.single_node:
             memory = HashStore(timeout=cfg.join_timeout)
             self._clients.append(memory)
@@ -589,6 +610,23 @@ class NodeRendezvous:
         )
         self._clients += [joiner, watcher]
         self._kv, self._watch = PrefixStore(prefix, joiner), PrefixStore(prefix, watcher)
+
+    async def _open_etcd(self, prefix: str) -> None:
+        """Meet on etcd: the first launcher to claim the run leads it."""
+        cfg = self.config
+        joiner = EtcdStore(cfg.etcd_endpoints, prefix, timeout=cfg.join_timeout)
+        watcher = EtcdStore(
+            cfg.etcd_endpoints, prefix, timeout=cfg.join_timeout, connect_timeout=WATCH_CONNECT_TIMEOUT
+        )
+        self._clients += [joiner, watcher]
+        self._kv, self._watch = joiner, watcher
+        me = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        try:
+            self.leader = await joiner.compare_set_async("leader", b"", me) == me.encode()
+        except StoreError as exc:
+            raise LaunchError(f"the etcd rendezvous at {cfg.rdzv_endpoint} failed: {exc}") from exc
+        if self.leader:
+            log.info("leading the rendezvous of run %s on etcd at %s", cfg.run_id, cfg.rdzv_endpoint)
 
     @property
     def kv(self) -> Store:
@@ -710,6 +748,8 @@ class NodeRendezvous:
             await self._worker_store.stop(grace=0.5)
             self._worker_store = None
         host = cfg.master_addr if cfg.single_node else cfg.rdzv_host
+        if cfg.etcd_endpoints and not cfg.single_node and not is_loopback(host):
+            host = local_address_towards(host)  # this node's address, as the etcd host sees it
         bind = host if is_loopback(host) else "0.0.0.0"
         port = cfg.master_port if cfg.single_node and cfg.master_port else 0
         try:

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import _etcd
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -134,16 +133,6 @@ def process_server() -> Iterator[int]:
     proc, port = start_server_process()
     yield port
     stop_process(proc)
-
-
-@pytest.fixture(scope="module")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_etcd.EtcdCluster]:
-    """A real etcd server (one member) on ephemeral ports; skips when etcd is not installed."""
-    reason = _etcd.unavailable()
-    if reason:
-        pytest.skip(reason)
-    with _etcd.EtcdCluster(tmp_path_factory.mktemp("etcd")) as cluster:
-        yield cluster
 
 
 class Backend:
