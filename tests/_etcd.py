@@ -11,12 +11,15 @@ with its log in that directory (shown when it fails to start)::
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import shutil
 import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 HOST = "127.0.0.1"
@@ -52,6 +55,7 @@ class EtcdCluster:
         reason = unavailable()
         if reason:
             raise RuntimeError(reason)
+        workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.size = size
         self.procs: list[subprocess.Popen[bytes] | None] = []
@@ -99,8 +103,6 @@ class EtcdCluster:
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         """Until every running member answers etcd's health check (the cluster has a leader)."""
-        import urllib.request
-
         deadline = time.monotonic() + timeout
         for i, proc in enumerate(self.procs):
             if proc is None:
@@ -119,6 +121,31 @@ class EtcdCluster:
                         f"etcd {self.names[i]} not healthy within {timeout:g} s:\n{self.log(i)}"
                     )
                 time.sleep(0.1)
+
+    def _post(self, i: int, path: str, body: dict[str, object]) -> dict[str, object]:
+        """A call of etcd's JSON gateway on member ``i``."""
+        request = urllib.request.Request(f"http://{self.endpoints[i]}{path}", data=json.dumps(body).encode())
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.loads(answer.read())
+
+    def leader(self) -> int:
+        """The index of the member that leads the cluster now."""
+        for i, proc in enumerate(self.procs):
+            if proc is not None:
+                status = self._post(i, "/v3/maintenance/status", {})
+                leader = str(status["leader"])
+                members = self._post(i, "/v3/cluster/member/list", {})["members"]
+                names = {str(m["ID"]): m["name"] for m in members}  # type: ignore[index]
+                return self.names.index(names[leader])
+        raise RuntimeError("no etcd member is running")
+
+    def count_keys(self, prefix: str) -> int:
+        """How many keys start with ``prefix`` (read from any running member)."""
+        key = prefix.encode()
+        end = key[:-1] + bytes([key[-1] + 1])
+        body = {"key": base64.b64encode(key).decode(), "range_end": base64.b64encode(end).decode()}
+        i = next(i for i, proc in enumerate(self.procs) if proc is not None)
+        return int(self._post(i, "/v3/kv/range", {**body, "count_only": True}).get("count", 0))  # type: ignore[arg-type]
 
     def log(self, i: int) -> str:
         try:

@@ -263,7 +263,10 @@ class EtcdStore(Store):
         """``_retrying`` for writes: ``attempt`` gets the job's lease; a lease that expired
         meanwhile (all clients were cut off for lease_ttl) is replaced and the write retried."""
         while True:
-            lease = await self._job_lease()
+            try:
+                lease = await self._job_lease()
+            except StoreError as exc:
+                raise type(exc)(f"{what} on key(s) {list(keys)!r}: no lease for the keys: {exc}") from exc
 
             async def with_lease(member: _Member, deadline: float | None, lease: int = lease) -> T:
                 return await attempt(member, deadline, lease)
