@@ -143,7 +143,7 @@ def test_a_job_survives_losing_an_etcd_member(tmp_path: Path) -> None:
         hosts = ",".join(cluster.endpoints[i] for i in order)
         job = f"job-{uuid.uuid4().hex[:8]}"
         launch = Launch(tmp_path / "job", EtcdInit(f"etcd://{hosts}/{job}"))
-        params = {"c10d_init_method": f"etcd://{hosts}/{job}-c10d", "rounds_after": 20}
+        params = {"c10d_init_method": f"etcd://{hosts}/{job}", "rounds_after": 20}  # one job, one prefix
         for rank in range(3):
             launch.start(ProcSpec("etcd_job_through_member_loss", rank, 3, params))
         observer = EtcdStore([cluster.endpoints[i] for i in order[1:]], job, timeout=120)
