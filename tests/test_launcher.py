@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -486,7 +487,7 @@ def test_two_launchers_meet_on_etcd(tmp_path: Path, forked: list[Forked], etcd_s
     one of them serves; the first to claim the run leads it; the workers run RPC and all_reduce."""
     out = tmp_path / "out"
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd"]
-    args += ["--rdzv-endpoint", ",".join(etcd_server.endpoints), "--rdzv-id", f"etcd-{tmp_path.name}"]
+    args += ["--rdzv-endpoint", ",".join(etcd_server.endpoints), "--rdzv-id", f"etcd-{uuid.uuid4().hex[:8]}"]
     node_0 = launch(forked, out, args, "rpc", name="node_0")
     node_1 = launch(forked, out, args, "rpc", name="node_1")
     assert node_0.wait(75) == 0, node_0.output()[-6000:] + node_1.output()[-6000:]
