@@ -131,8 +131,8 @@ def _absent(key: bytes) -> pb.Compare:
     return pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.VERSION, key=key, version=0)
 
 
-class _WatchBroken(Exception):
-    """The watch stream ended (member lost, watch cancelled): check again and re-watch."""
+class _StreamBroken(Exception):
+    """A watch or keep-alive stream ended (member lost, watch cancelled): start it anew."""
 
 
 @dataclass
@@ -340,7 +340,7 @@ class EtcdStore(Store):
                     await stream.write(pb.LeaseKeepAliveRequest(ID=lease))
                     reply = await asyncio.wait_for(stream.read(), ATTEMPT_TIMEOUT)
                     if reply is grpc.aio.EOF:
-                        raise _WatchBroken("keep-alive stream ended")
+                        raise _StreamBroken("keep-alive stream ended")
                     if reply.TTL <= 0:
                         log.warning(
                             "the lease of etcd prefix %r ran out (every client was cut off for %d s): "
@@ -357,8 +357,8 @@ class EtcdStore(Store):
                 grpc.aio.AioRpcError,
                 asyncio.TimeoutError,
                 asyncio.InvalidStateError,
-                _WatchBroken,
-            ) as exc:  # noqa: E501
+                _StreamBroken,
+            ) as exc:
                 self._fail_over(member, f"keep-alive: {exc!r}")
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_BACKOFF_MAX)
@@ -404,7 +404,7 @@ class EtcdStore(Store):
 
     async def _watch_until_set(self, names: list[bytes], from_revision: int) -> None:
         """Return once every key of ``names`` was put at or after ``from_revision``; raises
-        _WatchBroken when the stream ends first (member lost, watch cancelled)."""
+        _StreamBroken when the stream ends first (member lost, watch cancelled)."""
         waiting = set(names)
         member = self._member()
         stream = member.watch.Watch(metadata=_REQUIRE_LEADER)
@@ -415,9 +415,9 @@ class EtcdStore(Store):
             while waiting:
                 reply = await stream.read()
                 if reply is grpc.aio.EOF:
-                    raise _WatchBroken("the watch stream ended")
+                    raise _StreamBroken("the watch stream ended")
                 if reply.canceled:
-                    raise _WatchBroken(f"watch cancelled: {reply.cancel_reason or 'compacted'}")
+                    raise _StreamBroken(f"watch cancelled: {reply.cancel_reason or 'compacted'}")
                 for event in reply.events:
                     if event.type == pb.Event.PUT:
                         waiting.discard(event.kv.key)
@@ -425,7 +425,7 @@ class EtcdStore(Store):
             if exc.code() not in (*_RETRYABLE, grpc.StatusCode.CANCELLED):
                 raise self._translate(exc, "Watch", [n.decode() for n in names]) from exc
             self._fail_over(member, f"watch: {exc.code().name}: {exc.details()}")
-            raise _WatchBroken(str(exc.details())) from exc
+            raise _StreamBroken(str(exc.details())) from exc
         finally:
             stream.cancel()
 
@@ -450,7 +450,7 @@ class EtcdStore(Store):
                 return
             except asyncio.TimeoutError:
                 raise timeout_error([names[n] for n in pending], timeout) from None
-            except _WatchBroken as exc:
+            except _StreamBroken as exc:
                 log.debug("watch on etcd at %s broke (%s); checking again", self.address, exc)
                 await asyncio.sleep(min(backoff, max(0.0, end - loop.time())))
                 backoff = min(backoff * 2, RETRY_BACKOFF_MAX)
