@@ -32,6 +32,7 @@ from rpcdist.errors import (
     StoreTimeoutError,
 )
 from rpcdist.store import (
+    EtcdStore,
     FileStore,
     GrpcStore,
     HashStore,
@@ -50,6 +51,7 @@ rendezvous.__class__ = _c10d._CallableRendezvousModule  # the module, callable a
 __all__ = [
     *_c10d.__all__,
     "group",
+    "EtcdStore",
     "FileStore",
     "GrpcStore",
     "HashStore",

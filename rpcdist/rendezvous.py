@@ -9,6 +9,10 @@ Three init methods, as torch users know them:
   (``RPCDIST_AGENT_STORE=1``) the launcher serves it and rank 0 only connects.
 - ``tcp://host:port``: the same with the address in the URL.
 - ``file:///path``: a file-backed store on a (shared) filesystem.
+- ``etcd://host:2379/prefix`` (or ``etcd://h1:2379,h2:2379,h3:2379/prefix`` for a cluster,
+  failing over between its members): the job's keys under ``prefix`` on etcd
+  (:class:`~rpcdist.store.etcd_store.EtcdStore`); nobody hosts anything. ``?lease_ttl=S``: how
+  long the keys outlive the job's last process (10 s).
 
 Under torch's own launcher (``torchrun`` / ``python -m torch.distributed.run``), whose elastic
 agent already serves a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT`` and says so with
@@ -39,6 +43,7 @@ from rpcdist import _launch_env
 from rpcdist.errors import MembershipError, RendezvousError, StoreError, StoreTimeoutError
 from rpcdist.security import Security
 from rpcdist.store import FileStore, GrpcStore, Store, StoreServer
+from rpcdist.store.etcd_store import store_from_url
 from rpcdist.store.service import SERVICE_NAME as STORE_SERVICE
 from rpcdist.store.torch_store import TCPStore
 
@@ -134,6 +139,13 @@ async def rendezvous(
             raise RendezvousError(f"file:// init_method needs a path: {init_method!r}")
         store = FileStore(path, world_size=world_size, timeout=timeout)
         return Rendezvous(store, None, None, security)
+    if url.scheme == "etcd":
+        try:
+            store = store_from_url(init_method, timeout)
+        except StoreError as exc:
+            raise RendezvousError(f"init_method={init_method!r}: {exc}") from None
+        # Workers listen where they can reach the (first) etcd member, as for tcp://.
+        return Rendezvous(store, None, store.endpoints[0].rsplit(":", 1)[0].strip("[]"), security)
     if url.scheme == "env":
         host, port_text = _launch_env.master_address()  # MASTER_ADDR/PORT, or Slurm's
         host = host or _env("MASTER_ADDR", init_method)
@@ -144,7 +156,8 @@ async def rendezvous(
         host, port_text = url.hostname, str(url.port)
     else:
         raise RendezvousError(
-            f"unsupported init_method {init_method!r}: use env://, tcp://host:port or file:///path"
+            f"unsupported init_method {init_method!r}: use env://, tcp://host:port, file:///path "
+            "or etcd://host:port/prefix"
         )
     try:
         port = int(port_text)

@@ -37,6 +37,11 @@ default 30 s) for more, up to MAX. ``--rdzv-conf join_timeout=S`` (default 600 s
 wait for nodes. The node hosting the rendezvous also serves the workers' store, and keeps it
 until every node's workers are done.
 
+With ``--rdzv-backend etcd --rdzv-endpoint h1:2379[,h2:2379,...]`` the launchers meet on etcd
+instead (keys under ``rpcdist-run/<run id>``, see :class:`~rpcdist.store.etcd_store.EtcdStore`):
+no node serves the rendezvous, so it survives the loss of any etcd member; the first launcher
+to claim it leads the rounds and serves the workers' store.
+
 Nodes that come and go (``--nnodes MIN:MAX``, MIN < MAX)
 --------------------------------------------------------
 The group re-forms, as torchrun's does, in a new round (every worker stopped and started again
@@ -97,9 +102,10 @@ from typing import Any
 
 from rpcdist import _launch_env, security
 from rpcdist.errors import RpcdistError, StoreError, StoreTimeoutError
-from rpcdist.rendezvous import is_loopback
+from rpcdist.rendezvous import is_loopback, local_address_towards
 from rpcdist.security import Security
-from rpcdist.store import GrpcStore, HashStore, PrefixStore, Store, StoreServer
+from rpcdist.store import EtcdStore, GrpcStore, HashStore, PrefixStore, Store, StoreServer
+from rpcdist.store.etcd_store import parse_endpoints
 
 log = logging.getLogger("rpcdist.run")
 
@@ -152,6 +158,7 @@ class LaunchConfig:
     master_port: int | None = None
     # The run's token and TLS files: the launcher's stores require them, the workers get them.
     security: Security = field(default_factory=Security)
+    etcd_endpoints: str = ""  # --rdzv-backend etcd: the members, comma-separated
 
     @property
     def single_node(self) -> bool:
@@ -165,7 +172,7 @@ class LaunchConfig:
 
     @property
     def rdzv_endpoint(self) -> str:
-        return f"{self.rdzv_host}:{self.rdzv_port}"
+        return self.etcd_endpoints or f"{self.rdzv_host}:{self.rdzv_port}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -189,8 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     option(
         "--rdzv-backend",
         default="rpcdist",
-        choices=["rpcdist", "c10d", "static"],
-        help="accepted for torchrun command lines: nodes always meet through rpcdist's store",
+        choices=["rpcdist", "c10d", "static", "etcd"],
+        help="etcd: meet on the etcd at --rdzv-endpoint H:P[,H:P...]; the others (torchrun's names) "
+        "meet through rpcdist's store",
     )
     option(
         "--rdzv-conf",
@@ -312,7 +320,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise LaunchError(f"--rdzv-conf {args.rdzv_conf!r}: keep_alive_* must be numbers") from None
     if keep_alive <= 0 or keep_alive_attempts < 1:
         raise LaunchError("--rdzv-conf: keep_alive_interval must be > 0 and keep_alive_max_attempt >= 1")
-    if args.rdzv_endpoint:
+    etcd_endpoints = ""
+    if args.rdzv_backend == "etcd":
+        if not args.rdzv_endpoint:
+            raise LaunchError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] of etcd")
+        try:
+            etcd_endpoints = ",".join(parse_endpoints(args.rdzv_endpoint))
+        except StoreError as exc:
+            raise LaunchError(f"--rdzv-endpoint: {exc}") from None
+        rdzv_host, rdzv_port = _parse_endpoint(etcd_endpoints.split(",")[0], DEFAULT_RDZV_PORT)
+    elif args.rdzv_endpoint:
         rdzv_host, rdzv_port = _parse_endpoint(args.rdzv_endpoint, DEFAULT_RDZV_PORT)
     else:  # torchrun's static rendezvous: the master address is the meeting point
         rdzv_host, rdzv_port = args.master_addr, args.master_port or DEFAULT_MASTER_PORT
@@ -354,6 +371,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         master_addr=args.master_addr,
         master_port=args.master_port if single else None,
         security=credentials,
+        etcd_endpoints=etcd_endpoints,
     )
 
 
@@ -627,6 +645,10 @@ class NodeRendezvous:
         """Host the rendezvous store, or connect to the node that does."""
         cfg = self.config
         prefix = f"rpcdist-run/{cfg.run_id}"
+        if cfg.etcd_endpoints:
+            await self._open_etcd(prefix)
+            self._start_beating()
+            return
         if cfg.single_node:
             memory = HashStore(timeout=cfg.join_timeout)
             self._clients.append(memory)
@@ -663,7 +685,10 @@ class NodeRendezvous:
         )
         self._clients += [joiner, watcher]
         self._kv, self._watch = PrefixStore(prefix, joiner), PrefixStore(prefix, watcher)
-        if cfg.elastic:
+        self._start_beating()
+
+    def _start_beating(self) -> None:
+        if self.config.elastic:
             self._beating = asyncio.ensure_future(self._beat())
 
     async def _beat(self) -> None:
@@ -678,6 +703,23 @@ class NodeRendezvous:
         if self.config.single_node or not await self.kv.check_async(["latest"]):
             return 0
         return int(await self.kv.get_async("latest")) + 1
+
+    async def _open_etcd(self, prefix: str) -> None:
+        """Meet on etcd: the first launcher to claim the run leads it."""
+        cfg = self.config
+        joiner = EtcdStore(cfg.etcd_endpoints, prefix, timeout=cfg.join_timeout)
+        watcher = EtcdStore(
+            cfg.etcd_endpoints, prefix, timeout=cfg.join_timeout, connect_timeout=WATCH_CONNECT_TIMEOUT
+        )
+        self._clients += [joiner, watcher]
+        self._kv, self._watch = joiner, watcher
+        me = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        try:
+            self.leader = await joiner.compare_set_async("leader", b"", me) == me.encode()
+        except StoreError as exc:
+            raise LaunchError(f"the etcd rendezvous at {cfg.rdzv_endpoint} failed: {exc}") from exc
+        if self.leader:
+            log.info("leading the rendezvous of run %s on etcd at %s", cfg.run_id, cfg.rdzv_endpoint)
 
     @property
     def kv(self) -> Store:
@@ -829,6 +871,8 @@ class NodeRendezvous:
             await self._worker_store.stop(grace=0.5)
             self._worker_store = None
         host = cfg.master_addr if cfg.single_node else cfg.rdzv_host
+        if cfg.etcd_endpoints and not cfg.single_node and not is_loopback(host):
+            host = local_address_towards(host)  # this node's address, as the etcd host sees it
         bind = host if is_loopback(host) else "0.0.0.0"
         port = cfg.master_port if cfg.single_node and cfg.master_port else 0
         try:

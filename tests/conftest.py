@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import _etcd
 import pytest
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
@@ -26,3 +27,14 @@ def two_hosts() -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
         pytest.skip(reason)
     with _netns.two_hosts(f"{os.getpid() % 100000}") as hosts:
         yield hosts
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_etcd.EtcdCluster]:
+    """A real etcd server (one member, ephemeral ports) for a module's tests; skips, saying why,
+    when etcd is not installed (Debian's etcd-server; .ci/run installs it)."""
+    reason = _etcd.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with _etcd.EtcdCluster(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster

@@ -1308,3 +1308,42 @@ def security_member(
     links = {rank: type(link).__name__ for rank, link in transport._links.items()}
     finish(rank, world_size)
     return {"links": links, "token": bool(transport.security.token), "tls": transport.security.tls}
+
+
+# ============================================================================ etcd
+def etcd_job_through_member_loss(
+    rank: int, world_size: int, init_method: str, workdir: str, c10d_init_method: str, rounds_after: int
+) -> dict[str, Any]:
+    """A job that met on an etcd cluster (``etcd://`` for RPC and for the process group) and
+    keeps calling its peers, all-reducing and using the job's store while the test kills one
+    etcd member; each round all ranks agree (all_reduce MIN) whether to go on, and they stop
+    ``rounds_after`` rounds after every rank saw the key ``app/killed`` the test sets once it
+    killed the member."""
+    import rpcdist as dist
+    from rpcdist.store import PrefixStore
+    from rpcdist.store.etcd_store import store_from_url
+
+    init(rank, world_size, init_method)
+    dist.init_process_group("gloo", init_method=c10d_init_method, rank=rank, world_size=world_size)
+    store = PrefixStore("app", store_from_url(init_method, timeout=CALL_TIMEOUT))
+    peer = (rank + 1) % world_size
+    rounds, killed_at, adds = 0, None, []
+    store.set(f"looping/{rank}", b"1")
+    while True:
+        rounds += 1
+        assert rpc.rpc_sync(peer, torch.add, (torch.ones(2), rounds), timeout=CALL_TIMEOUT).tolist() == [
+            1.0 + rounds
+        ] * 2
+        adds.append(store.add("counter", 1))
+        store.set(f"round/{rank}", str(rounds))
+        store.wait([f"round/{peer}"], timeout=CALL_TIMEOUT)
+        if killed_at is None and store.check(["killed"]):
+            killed_at = rounds
+        done = torch.tensor([1.0 if killed_at is not None and rounds >= killed_at + rounds_after else 0.0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() == 1.0:
+            break
+    store.underlying_store.close()
+    dist.destroy_process_group()
+    rpc.shutdown()  # its barrier goes through the cluster too
+    return {"rounds": rounds, "rounds_after_kill": rounds - (killed_at or rounds), "adds": adds}

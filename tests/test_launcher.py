@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -532,3 +533,24 @@ def test_two_nodes_meet_through_the_launchers_store(
         assert result["all_reduce"] == 3.0 and result["is_torchelastic_launched"]
     assert "hosting the rendezvous" in node_a.output()
     assert "hosting the rendezvous" not in node_b.output()
+
+
+# ============================================================================ etcd rendezvous
+@pytest.mark.timeout(90)
+def test_two_launchers_meet_on_etcd(tmp_path: Path, forked: list[Forked], etcd_server: Any) -> None:
+    """--rdzv-backend etcd: two launchers (one worker each) meet on a real etcd, not on a store
+    one of them serves; the first to claim the run leads it; the workers run RPC and all_reduce."""
+    out = tmp_path / "out"
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd"]
+    args += ["--rdzv-endpoint", ",".join(etcd_server.endpoints), "--rdzv-id", f"etcd-{uuid.uuid4().hex[:8]}"]
+    node_0 = launch(forked, out, args, "rpc", name="node_0")
+    node_1 = launch(forked, out, args, "rpc", name="node_1")
+    assert node_0.wait(75) == 0, node_0.output()[-6000:] + node_1.output()[-6000:]
+    assert node_1.wait(20) == 0, node_1.output()[-6000:]
+    results = [_json(out / f"rank{r}.json") for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["rpc_world"] == result["pg_world"] == 2 and result["pg_rank"] == rank
+        assert result["all_reduce"] == 3.0 and result["is_torchelastic_launched"]
+    logs = [node_0.output(), node_1.output()]
+    assert sum("leading the rendezvous" in log for log in logs) == 1, logs
+    assert not any("hosting the rendezvous" in log for log in logs)

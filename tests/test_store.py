@@ -1,4 +1,5 @@
-"""The stores: HashStore, FileStore, GrpcStore (in-process server and rpcdist-server), PrefixStore."""
+"""The stores: HashStore, FileStore, GrpcStore (in-process server and rpcdist-server), EtcdStore
+(a real etcd, see ``_etcd``), PrefixStore."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from rpcdist._runtime import LoopThread
 from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
 from rpcdist.security import Security, read_job_token
 from rpcdist.store import (
+    EtcdStore,
     FileStore,
     GrpcStore,
     HashStore,
@@ -35,8 +37,8 @@ from rpcdist.store import grpc_store as grpc_store_module
 from rpcdist.v1 import store_pb2
 
 HOST = "127.0.0.1"
-BACKENDS = ["hash", "file", "grpc-inproc", "grpc-process"]
-MULTIPROCESS_BACKENDS = ["file", "grpc-inproc", "grpc-process"]
+BACKENDS = ["hash", "file", "grpc-inproc", "grpc-process", "etcd"]
+MULTIPROCESS_BACKENDS = ["file", "grpc-inproc", "grpc-process", "etcd"]
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -83,11 +85,14 @@ def free_port() -> int:
 # A worker process: talks to a store given on its command line, prints a JSON result.
 WORKER = r"""
 import json, sys
-from rpcdist.store import FileStore, GrpcStore
+from rpcdist.store import EtcdStore, FileStore, GrpcStore
 
 kind, where, mode, key = sys.argv[1:5]
 if kind == "file":
     store = FileStore(where, timeout=60)
+elif kind == "etcd":
+    endpoints, prefix = where.split("/", 1)
+    store = EtcdStore(endpoints, prefix, timeout=60)
 else:
     host, port = where.rsplit(":", 1)
     store = GrpcStore(host, int(port), timeout=60)
@@ -134,10 +139,14 @@ def process_server() -> Iterator[int]:
 class Backend:
     """Makes clients of one store; clients bind to the loop running where they are made."""
 
-    def __init__(self, kind: str, path: Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, kind: str, path: Path | None = None, port: int | None = None, etcd: list[str] | None = None
+    ) -> None:
         self.kind = kind
         self.path = path
         self.port = port
+        self.etcd = etcd
+        self.etcd_prefix = f"test-{uuid.uuid4().hex[:12]}"  # the job: one per backend
         self.clients: list[Store] = []
         self._hash: HashStore | None = None
 
@@ -151,6 +160,9 @@ class Backend:
         if self.kind == "file":
             assert self.path is not None
             store = FileStore(self.path, timeout=timeout)
+        elif self.kind == "etcd":
+            assert self.etcd is not None
+            store = EtcdStore(self.etcd, self.etcd_prefix, timeout=timeout, connect_timeout=10)
         else:
             assert self.port is not None
             store = GrpcStore(HOST, self.port, timeout=timeout, connect_timeout=10)
@@ -162,6 +174,9 @@ class Backend:
         """How a worker process reaches this store."""
         if self.kind == "file":
             return ("file", str(self.path))
+        if self.kind == "etcd":
+            assert self.etcd is not None
+            return ("etcd", f"{','.join(self.etcd)}/{self.etcd_prefix}")
         return ("grpc", f"{HOST}:{self.port}")
 
 
@@ -172,6 +187,8 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         made = Backend(kind, port=request.getfixturevalue("thread_server").port)
     elif kind == "grpc-process":
         made = Backend(kind, port=request.getfixturevalue("process_server"))
+    elif kind == "etcd":
+        made = Backend(kind, etcd=request.getfixturevalue("etcd_server").endpoints)
     else:
         made = Backend(kind, path=tmp_path / "store")
     yield made
@@ -187,6 +204,8 @@ async def shared_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Asyn
         made = Backend(kind, port=request.getfixturevalue("thread_server").port)
     elif kind == "grpc-process":
         made = Backend(kind, port=request.getfixturevalue("process_server"))
+    elif kind == "etcd":
+        made = Backend(kind, etcd=request.getfixturevalue("etcd_server").endpoints)
     else:
         made = Backend(kind, path=tmp_path / "store")
     yield made

@@ -4,6 +4,8 @@
 - :class:`FileStore` — a file on a filesystem shared by the processes;
 - :class:`GrpcStore` — a client of the gRPC store service (``rpcdist-server`` or a
   :class:`StoreServer` embedded in a program);
+- :class:`EtcdStore` — keys of one job on an etcd cluster (etcd's v3 gRPC API), failing over
+  between its members;
 - :class:`PrefixStore` — a namespaced view of another store;
 - :class:`TorchStore` — any ``torch.distributed.Store`` (torchrun's agent store, torch's
   TCPStore/FileStore/HashStore/PrefixStore) behind this interface;
@@ -14,6 +16,7 @@ Every store has blocking methods with torch's names (``set``, ``get``, ``add``, 
 """
 
 from rpcdist.store.api import PrefixStore, Store
+from rpcdist.store.etcd_store import EtcdStore
 from rpcdist.store.file_store import FileStore
 from rpcdist.store.grpc_store import GrpcStore
 from rpcdist.store.hash_store import HashStore
@@ -27,6 +30,7 @@ __all__ = [
     "HashStore",
     "FileStore",
     "GrpcStore",
+    "EtcdStore",
     "StoreServer",
     "StoreLimits",
     "KeyValueState",
