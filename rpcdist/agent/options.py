@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpcdist import metrics
 from rpcdist.errors import MembershipError
 
 __all__ = ["BackendType", "RpcBackendOptions", "TensorPipeRpcBackendOptions", "WorkerInfo"]
@@ -68,6 +69,9 @@ class RpcBackendOptions:
             hosts that vanish, links that are cut and processes that hang on other hosts).
             0 turns heartbeats off.
         heartbeat_misses: heartbeats a peer may leave unanswered (see ``heartbeat_interval``).
+        metrics_port: serve Prometheus metrics of this process at ``http://HOST:PORT/metrics``
+            (0: a free port, see ``rpcdist.metrics.address()``), on the interface the worker
+            listens on. ``None`` (default): as ``RPCDIST_METRICS_PORT`` says, off when unset.
         device_maps, devices, _transports, _channels: torch TensorPipe fields, accepted for
             compatibility; only CPU tensors are supported, so device maps must be empty.
     """
@@ -88,6 +92,7 @@ class RpcBackendOptions:
     store_timeout: float = 300.0
     heartbeat_interval: float = 1.0
     heartbeat_misses: int = 3
+    metrics_port: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,14 @@ class RpcBackendOptions:
             raise ValueError(f"heartbeat_interval must be >= 0 seconds, got {self.heartbeat_interval}")
         if self.heartbeat_misses < 1:
             raise ValueError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be a port in 0..65535 (0: any free one), got {self.metrics_port}"
+            )
+
+    def resolved_metrics_port(self) -> int | None:
+        """The metrics port to serve: ``metrics_port``, else ``RPCDIST_METRICS_PORT``'s, else None."""
+        return self.metrics_port if self.metrics_port is not None else metrics.port_from_env()
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """torch compatibility; CPU-only, so any non-empty map is refused."""
