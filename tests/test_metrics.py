@@ -1,0 +1,88 @@
+"""Metrics and status: the Prometheus endpoint of real workers (counters move by the calls
+made, failures and bytes counted, live RRefs up and back to 0, collectives timed), off by
+default, ``rpcdist-status`` against a running group, reflection and health on every server.
+
+One launch of three workers (``metrics_scenarios.metrics_group``): w0 turns metrics on by
+option and drives, w1 by ``RPCDIST_METRICS_PORT``, w2 leaves them off.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+from _harness import GroupRun, ProcSpec, run_processes
+
+from rpcdist import metrics
+from rpcdist.agent.options import RpcBackendOptions
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class _ImportInWorker:
+    """Unpickled in the worker before its scenario starts, imports the scenarios' module."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __reduce__(self) -> Any:
+        return importlib.import_module, (self.module,)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    params = {"scenarios_module": _ImportInWorker("metrics_scenarios")}
+    specs = [ProcSpec("metrics_group", rank, 3, dict(params)) for rank in range(3)]
+    return run_processes(tmp_path_factory.mktemp("metrics"), specs, "env", timeout=240)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "off_by_default",
+        "on_by_option_and_by_env",
+        "calls_counted",
+        "bytes_per_peer",
+        "in_flight_and_peers",
+        "collective_timed",
+        "live_rrefs_up_and_back_to_zero",
+    ],
+)
+def test_metrics_of_real_workers(group: GroupRun, name: str) -> None:
+    group.check(name)
+
+
+def test_reflection_lists_the_services_of_worker_and_store(group: GroupRun) -> None:
+    group.check("reflection_on_worker_and_store")
+
+
+def test_health_on_workers(group: GroupRun) -> None:
+    group.check("health_on_workers")
+
+
+def test_rpcdist_status_against_a_running_group(group: GroupRun) -> None:
+    group.check("rpcdist_status")
+
+
+def test_rpcdist_status_names_an_unreachable_store(group: GroupRun) -> None:
+    group.check("status_store_unreachable")
+
+
+def test_every_worker_exits_cleanly(group: GroupRun) -> None:
+    for outcome in group.outcomes:
+        assert outcome.exitcode == 0 and not outcome.killed, outcome.log_tail()
+
+
+def test_metrics_port_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="metrics_port"):
+        RpcBackendOptions(metrics_port=70000)
+    monkeypatch.setenv(metrics.ENV_PORT, "nine")
+    with pytest.raises(ValueError, match=metrics.ENV_PORT):
+        RpcBackendOptions().resolved_metrics_port()
+    monkeypatch.setenv(metrics.ENV_PORT, "9100")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert RpcBackendOptions().resolved_metrics_port() == 9102  # workers of one host do not collide
+    assert RpcBackendOptions(metrics_port=0).resolved_metrics_port() == 0
+    monkeypatch.delenv(metrics.ENV_PORT)
+    assert RpcBackendOptions().resolved_metrics_port() is None  # off by default
