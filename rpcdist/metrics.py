@@ -21,11 +21,12 @@ import os
 import threading
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -63,144 +64,200 @@ class StatusSource(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class _Histogram:
+    """Observations in ``LATENCY_BUCKETS`` (non-cumulative counts, the last one is +Inf)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: the first bound >= it
+        self.sum += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Prometheus' cumulative ``(le, count)`` pairs."""
+        running, pairs = 0, []
+        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.counts, strict=True):
+            running += count
+            pairs.append((bound, running))
+        return pairs
+
+
+class CallStats:
+    """Outgoing calls of one (function, peer)."""
+
+    __slots__ = ("started", "finished", "failed", "seconds")
+
+    def __init__(self) -> None:
+        self.started = self.finished = 0
+        self.failed: dict[str, int] = {}  # by the error's type name
+        self.seconds = _Histogram()
+
+
+class ServedStats:
+    """Calls of one (function, caller) run for peers."""
+
+    __slots__ = ("ok", "error", "seconds")
+
+    def __init__(self) -> None:
+        self.ok = self.error = 0
+        self.seconds = _Histogram()
+
+
 class CallTimer:
     """One outgoing call's metrics: started when made, finished or failed once."""
 
-    __slots__ = ("_children", "_started")
+    __slots__ = ("_stats", "_started")
 
-    def __init__(self, children: tuple[Any, ...]) -> None:
-        self._children = children
+    def __init__(self, stats: CallStats) -> None:
+        stats.started += 1
+        self._stats = stats
         self._started = time.perf_counter()
-        children[0].inc()
 
     def finished(self) -> None:
-        _, finished, seconds, _, _, _ = self._children
-        finished.inc()
-        seconds.observe(time.perf_counter() - self._started)
+        self._stats.finished += 1
+        self._stats.seconds.observe(time.perf_counter() - self._started)
 
     def failed(self, error: BaseException) -> None:
-        _, _, seconds, function, peer, failed = self._children
-        failed.labels(function, peer, type(error).__name__).inc()
-        seconds.observe(time.perf_counter() - self._started)
+        failed = self._stats.failed
+        kind = type(error).__name__
+        failed[kind] = failed.get(kind, 0) + 1
+        self._stats.seconds.observe(time.perf_counter() - self._started)
+
+
+class Traffic:
+    """Bytes of frames to and from one peer (``sent += n``, ``received += n``)."""
+
+    __slots__ = ("sent", "received")
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
 
 
 class Metrics:
-    """The metric objects of one process, in a registry of their own."""
+    """The metrics of one process: a registry of its own, served by :func:`enable`.
+
+    Calls and bytes are counted in plain integers on the agents' event loops (the only threads
+    that touch them) and turned into Prometheus samples when scraped: a prometheus_client child
+    costs a lock per update, which is too much for the ~5 updates of every round trip within
+    the 5 % budget. Collectives and store requests, far fewer, use prometheus_client's own.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        reg = self.registry
-        self.calls_started = Counter(
-            "rpcdist_rpc_calls_started",
-            "Calls this worker made, by function and callee",
-            ["function", "peer"],
-            registry=reg,
-        )
-        self.calls_finished = Counter(
-            "rpcdist_rpc_calls_finished", "Calls that returned a result", ["function", "peer"], registry=reg
-        )
-        self.calls_failed = Counter(
-            "rpcdist_rpc_calls_failed",
-            "Calls that ended with an error (remote exception, timeout, lost worker), by its type",
-            ["function", "peer", "error"],
-            registry=reg,
-        )
-        self.call_seconds = Histogram(
-            "rpcdist_rpc_call_duration_seconds",
-            "Time from sending a call to its result or error, as the caller sees it",
-            ["function", "peer"],
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.served = Counter(
-            "rpcdist_rpc_served",
-            "Calls this worker ran for peers, by function, caller and outcome (ok/error)",
-            ["function", "peer", "outcome"],
-            registry=reg,
-        )
-        self.serve_seconds = Histogram(
-            "rpcdist_rpc_serve_duration_seconds",
-            "Time from a call's arrival to its answer, on the callee",
-            ["function"],
-            buckets=LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.bytes_sent = Counter(
-            "rpcdist_transport_sent_bytes",
-            "Bytes of frames written to a peer's connections (shared-memory handoffs not included)",
-            ["peer"],
-            registry=reg,
-        )
-        self.bytes_received = Counter(
-            "rpcdist_transport_received_bytes",
-            "Bytes of frames read from a peer's connections (shared-memory handoffs not included)",
-            ["peer"],
-            registry=reg,
-        )
         self.collective_seconds = Histogram(
             "rpcdist_collective_duration_seconds",
             "Time of each collective operation on this rank, by op and outcome (ok/error)",
             ["op", "outcome"],
             buckets=LATENCY_BUCKETS,
-            registry=reg,
+            registry=self.registry,
         )
         self.store_seconds = Histogram(
             "rpcdist_store_request_duration_seconds",
             "Requests the store server answered, by method and outcome (ok/error)",
             ["method", "outcome"],
             buckets=LATENCY_BUCKETS,
-            registry=reg,
+            registry=self.registry,
         )
-        reg.register(_StateCollector())
-        # Label children by key: labels() costs a lock and a tuple build per use, these a dict get.
-        self._call_children: dict[tuple[str, str], tuple[Any, ...]] = {}
-        self._served_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self._traffic: dict[str, Traffic] = {}
+        self.calls: dict[tuple[str, str], CallStats] = {}
+        self.served: dict[tuple[str, str], ServedStats] = {}
+        self.peers: dict[str, Traffic] = {}
+        self.registry.register(_CallCollector(self))
+        self.registry.register(_StateCollector())
 
     def call_started(self, function: str, peer: str) -> CallTimer:
-        """Count a call to ``peer`` as started; the returned timer ends it."""
-        children = self._call_children.get((function, peer))
-        if children is None:
-            children = self._call_children[(function, peer)] = (
-                self.calls_started.labels(function, peer),
-                self.calls_finished.labels(function, peer),
-                self.call_seconds.labels(function, peer),
-                function,
-                peer,
-                self.calls_failed,
-            )
-        return CallTimer(children)
+        """Count a call to ``peer`` as started; the returned timer ends it (loop only)."""
+        stats = self.calls.get((function, peer))
+        if stats is None:
+            stats = self.calls[(function, peer)] = CallStats()
+        return CallTimer(stats)
 
     def call_served(self, function: str, peer: str, ok: bool, seconds: float) -> None:
-        """A call from ``peer`` was answered after ``seconds`` (``ok``: with a result)."""
-        children = self._served_children.get((function, peer))
-        if children is None:
-            children = self._served_children[(function, peer)] = (
-                self.served.labels(function, peer, "ok"),
-                self.served.labels(function, peer, "error"),
-                self.serve_seconds.labels(function),
-            )
-        children[0 if ok else 1].inc()
-        children[2].observe(seconds)
+        """A call from ``peer`` was answered after ``seconds`` (``ok``: with a result; loop only)."""
+        stats = self.served.get((function, peer))
+        if stats is None:
+            stats = self.served[(function, peer)] = ServedStats()
+        if ok:
+            stats.ok += 1
+        else:
+            stats.error += 1
+        stats.seconds.observe(seconds)
 
     def traffic(self, peer: str) -> Traffic:
         """The byte counters of ``peer``'s connections."""
-        found = self._traffic.get(peer)
+        found = self.peers.get(peer)
         if found is None:
-            found = self._traffic[peer] = Traffic(
-                self.bytes_sent.labels(peer), self.bytes_received.labels(peer)
-            )
+            found = self.peers[peer] = Traffic()
         return found
 
 
-class Traffic:
-    """Byte counters of one peer (``sent.inc(n)``, ``received.inc(n)``)."""
+def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: _Histogram) -> None:
+    family.add_metric(labels, histogram.buckets(), histogram.sum)
 
-    __slots__ = ("sent", "received")
 
-    def __init__(self, sent: Any, received: Any) -> None:
-        self.sent = sent
-        self.received = received
+class _CallCollector(Collector):
+    """Samples of the calls and bytes counted in :class:`Metrics`."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        m = self._metrics
+        pair = ["function", "peer"]
+        started = CounterMetricFamily(
+            "rpcdist_rpc_calls_started", "Calls this worker made, by function and callee", labels=pair
+        )
+        finished = CounterMetricFamily(
+            "rpcdist_rpc_calls_finished", "Calls that returned a result", labels=pair
+        )
+        failed = CounterMetricFamily(
+            "rpcdist_rpc_calls_failed",
+            "Calls that ended with an error (remote exception, timeout, lost worker), by its type",
+            labels=[*pair, "error"],
+        )
+        seconds = HistogramMetricFamily(
+            "rpcdist_rpc_call_duration_seconds",
+            "Time from sending a call to its result or error, as the caller sees it",
+            labels=pair,
+        )
+        # list(): one atomic copy, while the loop may add entries
+        for (function, peer), stats in list(m.calls.items()):
+            started.add_metric([function, peer], stats.started)
+            finished.add_metric([function, peer], stats.finished)
+            for error, count in list(stats.failed.items()):
+                failed.add_metric([function, peer, error], count)
+            _histogram(seconds, [function, peer], stats.seconds)
+        served = CounterMetricFamily(
+            "rpcdist_rpc_served",
+            "Calls this worker ran for peers, by function, caller and outcome (ok/error)",
+            labels=[*pair, "outcome"],
+        )
+        serve_seconds = HistogramMetricFamily(
+            "rpcdist_rpc_serve_duration_seconds",
+            "Time from a call's arrival to its answer, on the callee",
+            labels=pair,
+        )
+        for (function, peer), stats in list(m.served.items()):
+            served.add_metric([function, peer, "ok"], stats.ok)
+            served.add_metric([function, peer, "error"], stats.error)
+            _histogram(serve_seconds, [function, peer], stats.seconds)
+        sent = CounterMetricFamily(
+            "rpcdist_transport_sent_bytes",
+            "Bytes of frames written to a peer's connections (shared-memory handoffs not included)",
+            labels=["peer"],
+        )
+        received = CounterMetricFamily(
+            "rpcdist_transport_received_bytes",
+            "Bytes of frames read from a peer's connections (shared-memory handoffs not included)",
+            labels=["peer"],
+        )
+        for peer, traffic in list(m.peers.items()):
+            sent.add_metric([peer], traffic.sent)
+            received.add_metric([peer], traffic.received)
+        yield from (started, finished, failed, seconds, served, serve_seconds, sent, received)
 
 
 class _StateCollector(Collector):

@@ -178,7 +178,7 @@ def _drive(world_size: int) -> dict[str, Any]:
                 "rpcdist_rpc_served_total", served, served_before, function=RAISE, peer="w0", outcome="error"
             ),
             "serve_count": delta(
-                "rpcdist_rpc_serve_duration_seconds_count", served, served_before, function=ECHO
+                "rpcdist_rpc_serve_duration_seconds_count", served, served_before, function=ECHO, peer="w0"
             ),
         }
         result["moved"] = moved

@@ -49,7 +49,13 @@ class _Reporter:
         self.conn = conn
         self.cfg = cfg
 
+    def wanted(self, name: str) -> bool:
+        """Whether phase ``name`` runs (``cfg["phases"]``, when given, names the only ones)."""
+        return name in self.cfg.get("phases", (name,))
+
     def run(self, name: str, fn: Any, *args: Any) -> None:
+        if not self.wanted(name):
+            return
         if name in self.cfg.get("skip", ()):
             self.conn.send(("error", name, "skipped: this phase hung in an earlier round"))
             return
@@ -64,6 +70,8 @@ class _Reporter:
             self.conn.send(("result", name, result))
 
     def idle(self) -> None:
+        if not self.wanted("idle"):
+            return
         self.conn.send(("idle", self.cfg["idle_seconds"] + 30))
         msg = self.conn.recv()
         assert msg == ("go",), msg
@@ -90,11 +98,14 @@ def rpc_worker(
     elif system == "rpcdist":
         import rpcdist.rpc as rpc
 
+        metrics_port = 0 if cfg.get("metrics") else None  # the metrics scenario's "on" rounds
         if cfg.get("path") == "cross-host":  # gRPC (or framed TCP) links, no shared memory
             carrier = cfg.get("cross_host_carrier", "grpc")
-            options = rpc.RpcBackendOptions(init_method=init_method, transport=carrier, shm_threshold_bytes=0)
+            options = rpc.RpcBackendOptions(
+                init_method=init_method, transport=carrier, shm_threshold_bytes=0, metrics_port=metrics_port
+            )
         else:
-            options = rpc.RpcBackendOptions(init_method=init_method)
+            options = rpc.RpcBackendOptions(init_method=init_method, metrics_port=metrics_port)
     else:
         raise ValueError(system)
 

@@ -60,7 +60,7 @@ class InboundSession:
             if message is not None:
                 self.callee.on_request(self, *message)
         if self.traffic is not None:
-            self.traffic.received.inc(len(raw))
+            self.traffic.received += len(raw)
 
     def identify(self, caller_rank: int) -> None:
         """The caller of this connection is ``caller_rank`` (told by each request)."""

@@ -274,7 +274,7 @@ class Transport(LinkHandler):
     def on_frame(self, link: Link, raw: bytes) -> None:
         link.last_heard = time.monotonic()
         if link.traffic is not None:
-            link.traffic.received.inc(len(raw))
+            link.traffic.received += len(raw)
         self._unresponsive.discard(link.peer.rank)
         if raw:  # empty: an answer to a heartbeat
             self._handler.on_frame(link, raw)

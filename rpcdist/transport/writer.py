@@ -83,7 +83,7 @@ class FrameWriter:
                 if not await self._put(pieces):
                     return
                 if self.traffic is not None:
-                    self.traffic.sent.inc(size)
+                    self.traffic.sent += size
 
     async def _put(self, frame: list[bytes | memoryview]) -> bool:
         """Write one frame; False once the link is gone (its reader fails the calls that were
