@@ -9,6 +9,8 @@ option and drives, w1 by ``RPCDIST_METRICS_PORT``, w2 leaves them off.
 from __future__ import annotations
 
 import importlib
+import socket
+import urllib.request
 from typing import Any
 
 import pytest
@@ -86,3 +88,28 @@ def test_metrics_port_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert RpcBackendOptions(metrics_port=0).resolved_metrics_port() == 0
     monkeypatch.delenv(metrics.ENV_PORT)
     assert RpcBackendOptions().resolved_metrics_port() is None  # off by default
+
+
+def test_endpoint_is_shared_and_closed_by_its_last_user() -> None:
+    address = metrics.enable(0, "127.0.0.1")
+    try:
+        assert metrics.enable(0, "127.0.0.1") == address  # one endpoint per process
+        metrics.release()
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as answer:
+            assert b"rpcdist_rpc_calls_in_flight" in answer.read()
+    finally:
+        metrics.release()
+    assert metrics.current is None and metrics.address() == ""
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection((host, int(port)), timeout=30):
+        pass
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            metrics.enable(port, "127.0.0.1")
+    assert metrics.current is None
