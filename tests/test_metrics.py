@@ -9,12 +9,16 @@ option and drives, w1 by ``RPCDIST_METRICS_PORT``, w2 leaves them off.
 from __future__ import annotations
 
 import importlib
+import signal
 import socket
+import subprocess
 import urllib.request
 from typing import Any
 
 import pytest
 from _harness import GroupRun, ProcSpec, run_processes
+from test_store import server_command, stop_process
+from test_worker_program import start_worker  # noqa: F401 - the fixture, used below
 
 from rpcdist import metrics
 from rpcdist.agent.options import RpcBackendOptions
@@ -113,3 +117,48 @@ def test_a_taken_port_is_a_clear_error() -> None:
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             metrics.enable(port, "127.0.0.1")
     assert metrics.current is None
+
+
+def _scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return answer.read().decode()
+
+
+@pytest.mark.timeout(180)
+def test_programs_take_metrics_port(start_worker: Any) -> None:  # noqa: F811 - the imported fixture
+    """rpcdist-server --metrics-port counts the store's requests; rpcdist-worker --metrics-port
+    serves the worker's own metrics; both print where."""
+    server = subprocess.Popen(
+        [
+            *server_command(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        listening, serving = server.stdout.readline(), server.stdout.readline()
+        assert listening.startswith("rpcdist-server listening on "), listening
+        assert serving.startswith("rpcdist-server metrics on http://"), serving
+        store_port = int(listening.strip().rsplit(":", 1)[1])
+        worker = start_worker(
+            "--name", "lone", "--rank", "0", "--world-size", "1",
+            "--init-method", f"tcp://127.0.0.1:{store_port}", "--metrics-port", "0",
+        )  # fmt: skip
+        worker.wait_for("rpcdist-worker lone metrics on http://")
+        worker_url = worker.stdout().split("metrics on ", 1)[1].split()[0]
+        assert 'rpcdist_rpc_calls_in_flight{worker="lone"} 0.0' in _scrape_text(worker_url)
+        store_text = _scrape_text(serving.split("metrics on ", 1)[1].strip())
+        assert 'rpcdist_store_request_duration_seconds_count{method="CompareSet",outcome="ok"}' in store_text
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.exit_code() == 0, worker.stderr()
+    finally:
+        assert stop_process(server) == 0
