@@ -8,7 +8,9 @@ w2 leaves them at their default (off). Rank 0 embeds the store.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import subprocess
@@ -31,6 +33,7 @@ from rpc_scenarios import CALL_TIMEOUT, finish, init, wait_until
 import rpcdist
 import rpcdist.rpc as rpc
 from rpcdist import metrics
+from rpcdist import status as status_program
 from rpcdist.agent import current_agent
 from rpcdist.collectives import group as collectives_group
 
@@ -263,25 +266,33 @@ def _drive(world_size: int) -> dict[str, Any]:
         assert by_name["w2"]["status"]["metrics_address"] == ""
         peers = {p["name"]: p["state"] for p in by_name["w0"]["status"]["peers"]}
         assert peers == {"w1": "connected", "w2": "connected"}, peers
-        table = subprocess.run(
-            [sys.executable, "-m", "rpcdist.status", "--store", store_address],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert table.returncode == 0 and "w2" in table.stdout and "SERVING" in table.stdout, table.stdout
+        table = io.StringIO()
+        with contextlib.redirect_stdout(table):  # the table, in-process (one interpreter start is enough)
+            code = status_program.main(["--store", store_address])
+        lines = table.getvalue().splitlines()
+        assert code == 0 and lines[0] == f"store {store_address}: 3 members", lines
+        assert lines[1].split() == [
+            "RANK",
+            "NAME",
+            "ADDRESS",
+            "HEALTH",
+            "IN-FLIGHT",
+            "RUNNING",
+            "OWNED-RREFS",
+            "USER-RREFS",
+        ]
+        assert [line.split()[:4] for line in lines[2:5]] == [
+            [str(r), f"w{r}", agent.addresses[r], "SERVING"] for r in range(3)
+        ], lines
         del held
 
     with check("status_store_unreachable"):
         started = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, "-m", "rpcdist.status", "--store", "127.0.0.1:1", "--timeout", "1"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 1, done.stdout + done.stderr
-        assert "unreachable" in done.stderr and "127.0.0.1:1" in done.stderr, done.stderr
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors):
+            code = status_program.main(["--store", "127.0.0.1:1", "--timeout", "1"])
+        assert code == 1, errors.getvalue()
+        assert "unreachable" in errors.getvalue() and "127.0.0.1:1" in errors.getvalue(), errors.getvalue()
         result["unreachable_seconds"] = time.monotonic() - started
     return result
 

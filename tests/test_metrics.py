@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from _harness import GroupRun, ProcSpec, run_processes
-from test_store import server_command, stop_process
+from test_store import free_port, server_command, stop_process
 from test_worker_program import start_worker  # noqa: F401 - the fixture, used below
 
 from rpcdist import metrics
@@ -128,31 +128,18 @@ def _scrape_text(url: str) -> str:
 def test_programs_take_metrics_port(start_worker: Any) -> None:  # noqa: F811 - the imported fixture
     """rpcdist-server --metrics-port counts the store's requests; rpcdist-worker --metrics-port
     serves the worker's own metrics; both print where."""
-    server = subprocess.Popen(
-        [
-            *server_command(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    store_port = free_port()  # both start at once: the worker waits for the store to come up
+    command = [*server_command(), "--host", "127.0.0.1", "--port", str(store_port), "--metrics-port", "0"]
+    server = subprocess.Popen([*command, "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
     try:
-        assert server.stdout is not None
-        listening, serving = server.stdout.readline(), server.stdout.readline()
-        assert listening.startswith("rpcdist-server listening on "), listening
-        assert serving.startswith("rpcdist-server metrics on http://"), serving
-        store_port = int(listening.strip().rsplit(":", 1)[1])
         worker = start_worker(
             "--name", "lone", "--rank", "0", "--world-size", "1",
             "--init-method", f"tcp://127.0.0.1:{store_port}", "--metrics-port", "0",
         )  # fmt: skip
+        assert server.stdout is not None
+        listening, serving = server.stdout.readline(), server.stdout.readline()
+        assert listening.startswith("rpcdist-server listening on "), listening
+        assert serving.startswith("rpcdist-server metrics on http://"), serving
         worker.wait_for("rpcdist-worker lone metrics on http://")
         worker_url = worker.stdout().split("metrics on ", 1)[1].split()[0]
         assert 'rpcdist_rpc_calls_in_flight{worker="lone"} 0.0' in _scrape_text(worker_url)
