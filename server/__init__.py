@@ -4,12 +4,14 @@ Usage::
 
     rpcdist-server --host 127.0.0.1 --port 29500 [--log-level INFO]
     rpcdist-server --port 29500 --data-dir /var/lib/rpcdist   # keys survive a crash/restart
+    rpcdist-server --port 29500 --metrics-port 9100            # Prometheus metrics of the store
     python -m rpcdist.programs.server --port 0        # an ephemeral port
     rpcdist-server --host 0.0.0.0 --auth-token-file token --tls-cert c.pem --tls-key k.pem --tls-ca ca.pem
     rpcdist-server --max-key-bytes 4096 --max-value-bytes 1048576 --max-keys 100000
 
 When ready it prints ``rpcdist-server listening on HOST:PORT`` (the real port, also for
-``--port 0``) on stdout. SIGTERM or SIGINT stops it gracefully, with exit status 0; an address
+``--port 0``) on stdout, and with ``--metrics-port`` then ``rpcdist-server metrics on
+http://HOST:PORT/metrics``. SIGTERM or SIGINT stops it gracefully, with exit status 0; an address
 that cannot be bound, or a data directory that is in use or corrupt, exits with status 1.
 
 Without ``--data-dir`` the keys live in memory only and nothing is written anywhere. With it,
@@ -32,7 +34,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from rpcdist import security
+from rpcdist import metrics, security
 from rpcdist.errors import StoreError
 from rpcdist.rendezvous import is_loopback
 from rpcdist.store.durable import DEFAULT_WAL_MAX_BYTES
@@ -95,7 +97,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=defaults.max_keys,
         help=f"keys the store may hold; requests adding more are refused (default: {defaults.max_keys})",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; default: "
+        "$RPCDIST_METRICS_PORT, else off)",
+    )
     return parser.parse_args(argv)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free one), not {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -113,10 +129,12 @@ async def serve(
     wal_max_bytes: int = DEFAULT_WAL_MAX_BYTES,
     credentials: security.Security | None = None,
     limits: StoreLimits | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     """Run the store server until SIGTERM/SIGINT; returns the exit status.
 
-    With ``data_dir`` the keys are durable there (see :mod:`rpcdist.store.durable`).
+    With ``data_dir`` the keys are durable there (see :mod:`rpcdist.store.durable`); with
+    ``metrics_port`` its requests are counted and served to Prometheus on ``host``.
     ``credentials``: the token every call must carry and the TLS files; without a token, a
     server on loopback makes one and leaves it for this user's workers (see README: Security).
     """
@@ -135,6 +153,12 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-POSIX
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+    if metrics_port is not None:
+        try:
+            metrics.enable(metrics_port, host)
+        except OSError as exc:
+            log.error("%s", exc)
+            return 1
     try:
         if data_dir is None:
             server = await StoreServer.start(
@@ -152,13 +176,19 @@ async def serve(
             )
     except StoreError as exc:
         log.error("%s", exc)
+        if metrics_port is not None:
+            metrics.release()
         return 1
     print(f"rpcdist-server listening on {format_address(host, server.port)}", flush=True)
+    if metrics_port is not None:
+        print(f"rpcdist-server metrics on http://{metrics.address()}/metrics", flush=True)
     try:
         await stop.wait()
         log.info("signal received, stopping (grace %g s)", grace)
     finally:
         await server.stop(grace)
+        if metrics_port is not None:
+            metrics.release()
     return 0
 
 
@@ -177,7 +207,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     with contextlib.suppress(KeyboardInterrupt):  # a SIGINT before the handlers were installed
         limits = StoreLimits(args.max_key_bytes, args.max_value_bytes, args.max_keys)
+        metrics_port = args.metrics_port if args.metrics_port is not None else metrics.port_from_env()
         return asyncio.run(
-            serve(args.host, args.port, args.grace, args.data_dir, args.wal_max_bytes, credentials, limits)
+            serve(
+                args.host,
+                args.port,
+                args.grace,
+                args.data_dir,
+                args.wal_max_bytes,
+                credentials,
+                limits,
+                metrics_port,
+            )
         )
     return 0

@@ -146,6 +146,11 @@ LAYERS = [
     ("rpcdist.serialization", ("rpcdist.transport", "rpcdist.agent", "rpcdist.rpc", "rpcdist.autograd")),
     ("rpcdist.collectives", ("rpcdist.rpc", "rpcdist.autograd", "rpcdist.optim")),
     ("rpcdist.autograd", ("rpcdist.rpc", "rpcdist.collectives", "rpcdist.optim")),
+    # Every layer records through it, so it sits below them all.
+    (
+        "rpcdist.metrics",
+        ("rpcdist.store", "rpcdist.transport", "rpcdist.agent", "rpcdist.rpc", "rpcdist.collectives"),
+    ),
 ]
 
 

@@ -3,7 +3,8 @@
 Usage::
 
     rpcdist-worker --name trainer1 --rank 1 --world-size 3 --init-method tcp://10.0.0.5:29500 \\
-        --import mypkg.functions [--import mypkg.models ...] [--rpc-timeout 60] [--log-level INFO]
+        --import mypkg.functions [--import mypkg.models ...] [--rpc-timeout 60] [--log-level INFO] \\
+        [--metrics-port 9100]
     python -m rpcdist.programs.worker ...                    # the same
 
 The ``--import`` modules are imported first (an import that fails exits with status 2), so the
@@ -11,7 +12,8 @@ functions and classes they define can be called here by peers. The current direc
 import path, as with ``python -m``. ``--rank``/``--world-size`` default to the RANK/WORLD_SIZE
 environment variables and ``--init-method`` to ``env://`` (MASTER_ADDR/MASTER_PORT).
 
-Once the group has formed it prints ``rpcdist-worker NAME (rank R/N) ready`` on stdout and
+Once the group has formed it prints ``rpcdist-worker NAME (rank R/N) ready`` on stdout (and
+with ``--metrics-port`` then ``rpcdist-worker NAME metrics on http://HOST:PORT/metrics``) and
 serves calls until either
 
 - it receives SIGTERM or SIGINT, or
@@ -116,7 +118,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from rpcdist import security
 
     security.add_arguments(parser)
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; default: "
+        "$RPCDIST_METRICS_PORT, else off)",
+    )
     return parser.parse_args(argv)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free one), not {text}")
+    return value
 
 
 def import_modules(names: Sequence[str]) -> bool:
@@ -143,6 +159,7 @@ async def serve(
 ) -> int:
     """Join the group, serve until asked to stop, then leave it; returns the exit status."""
     import rpcdist.rpc as rpc
+    from rpcdist import metrics
 
     global _stop
     loop = asyncio.get_running_loop()
@@ -184,6 +201,8 @@ async def serve(
         me = rpc.get_worker_info()
         size = len(rpc.get_all_worker_infos())
         print(f"rpcdist-worker {me.name} (rank {me.id}/{size}) ready", flush=True)
+        if metrics.address():
+            print(f"rpcdist-worker {me.name} metrics on http://{metrics.address()}/metrics", flush=True)
         await stop.wait()
         log.info("%s leaving the group (waiting up to %g s for the others)", me.name, shutdown_timeout)
         await rpc.shutdown_async(graceful=True, timeout=shutdown_timeout)
@@ -217,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls_cert=credentials.tls_cert,
         tls_key=credentials.tls_key,
         tls_ca=credentials.tls_ca,
+        metrics_port=args.metrics_port,
     )
     if args.rpc_timeout is not None:
         options.rpc_timeout = args.rpc_timeout

@@ -99,11 +99,14 @@ def rpc_worker(
     elif system == "rpcdist":
         import rpcdist.rpc as rpc
 
+        metrics_port = 0 if cfg.get("metrics") else None  # the metrics scenario's "on" rounds
         if cfg.get("path") == "cross-host":  # gRPC (or framed TCP) links, no shared memory
             carrier = cfg.get("cross_host_carrier", "grpc")
-            options = rpc.RpcBackendOptions(init_method=init_method, transport=carrier, shm_threshold_bytes=0)
+            options = rpc.RpcBackendOptions(
+                init_method=init_method, transport=carrier, shm_threshold_bytes=0, metrics_port=metrics_port
+            )
         else:
-            options = rpc.RpcBackendOptions(init_method=init_method)
+            options = rpc.RpcBackendOptions(init_method=init_method, metrics_port=metrics_port)
         security = cfg.get("security")  # the security scenario: "plain", "token" or "tls"
         if security in ("token", "tls"):
             options.auth_token = cfg["auth_token"]

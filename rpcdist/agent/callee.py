@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
 from rpcdist.errors import RpcError
@@ -44,6 +45,9 @@ class InboundSession:
         self.idle = asyncio.Event()
         self.idle.set()
         self.caller_rank = -1
+        self.peer_name = ""  # the caller's name, once its first request has told its rank
+        self.traffic: metrics.Traffic | None = None  # its byte counters, while metrics are on
+        self.arrivals: dict[int, float] = {}  # call_id -> arrival time, while metrics are on
         # Shared-memory files of responses, removed when the session ends in case the caller
         # never adopted them (it unlinks the ones it does).
         self.exported: collections.deque[str] = collections.deque()
@@ -56,6 +60,16 @@ class InboundSession:
             message = frames.collect(self.assemblies, env, max_bytes)
             if message is not None:
                 self.callee.on_request(self, *message)
+        if self.traffic is not None:
+            self.traffic.received += len(raw)
+
+    def identify(self, caller_rank: int) -> None:
+        """The caller of this connection is ``caller_rank`` (told by each request)."""
+        self.caller_rank = caller_rank
+        peer = self.callee.agent.workers_by_rank.get(caller_rank)
+        self.peer_name = peer.name if peer is not None else f"rank{caller_rank}"
+        if metrics.current is not None:
+            self.traffic = self.writer.traffic = metrics.current.traffic(self.peer_name)
 
     async def finish(self) -> None:
         """The caller is done sending: finish its calls, then flush the replies."""
@@ -67,6 +81,7 @@ class InboundSession:
             job.cancel()
         self.writer.abort()
         shm.remove(self.exported)
+        self.arrivals.clear()
         self.callee.sessions.discard(self)
 
     def remember_exported(self, names: list[str]) -> None:
@@ -131,7 +146,10 @@ class Callee:
         if header.kind != frames.REQUEST:
             return
         function = header.function
-        session.caller_rank = header.caller_rank
+        if header.caller_rank != session.caller_rank:
+            session.identify(header.caller_rank)
+        if metrics.current is not None:
+            session.arrivals[call_id] = time.perf_counter()
         try:
             if isinstance(buffers, Exception):
                 raise buffers
@@ -198,6 +216,7 @@ class Callee:
     def _settle_inline(self, session: InboundSession, call_id: int, function: str, done: Any) -> None:
         session.untrack(call_id)
         if done.cancelled():
+            session.arrivals.pop(call_id, None)
             return
         if done.exception() is not None:
             self._respond_error(session, call_id, function, done.exception())
@@ -213,6 +232,7 @@ class Callee:
                 result = await awaitable(result)
             self._respond(session, call_id, function, result)
         except asyncio.CancelledError:
+            session.arrivals.pop(call_id, None)
             log.debug("%s: call %s to %s cancelled", self.agent.info.name, call_id, function)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             self._respond_error(session, call_id, function, exc)
@@ -233,7 +253,7 @@ class Callee:
         """Runs on a pool thread."""
         inbox = self.agent.inbox
         if job.cancelled or (deadline is not None and time.monotonic() > deadline):
-            inbox.post(lambda: session.untrack(call_id))
+            inbox.post(lambda: self._skip(session, call_id))
             return
         try:
             result = func(*args, **kwargs)
@@ -248,11 +268,16 @@ class Callee:
         except BaseException as exc:  # noqa: BLE001
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
-        inbox.post(lambda: self._finish(session, call_id, entries))
+        inbox.post(lambda: self._finish(session, call_id, function, entries))
 
-    def _finish(self, session: InboundSession, call_id: int, entries: Entries) -> None:
+    def _skip(self, session: InboundSession, call_id: int) -> None:
+        session.untrack(call_id)
+        session.arrivals.pop(call_id, None)
+
+    def _finish(self, session: InboundSession, call_id: int, function: str, entries: Entries) -> None:
         session.untrack(call_id)
         session.respond(entries)
+        self._served(session, call_id, function, True)
 
     def _finish_error(self, session: InboundSession, call_id: int, function: str, exc: BaseException) -> None:
         session.untrack(call_id)
@@ -264,7 +289,7 @@ class Callee:
                 value = await awaitable(result)
                 self._respond(session, call_id, function, value)
             except asyncio.CancelledError:
-                pass
+                session.arrivals.pop(call_id, None)
             except BaseException as exc:  # noqa: BLE001
                 self._respond_error(session, call_id, function, exc)
             finally:
@@ -289,12 +314,22 @@ class Callee:
             session.respond(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001
             self._respond_error(session, call_id, function, exc)
+            return
+        self._served(session, call_id, function, True)
 
     def _respond_error(
         self, session: InboundSession, call_id: int, function: str, exc: BaseException, loading: bool = False
     ) -> None:
         payload, buffers = describe_error(self.agent.info.name, function, exc, loading)
         session.respond(frames.encode_message(call_id, frames.ERROR, payload, buffers))
+        self._served(session, call_id, function, False)
+
+    @staticmethod
+    def _served(session: InboundSession, call_id: int, function: str, ok: bool) -> None:
+        """Count an answered call (its arrival was noted only while metrics are on)."""
+        arrived = session.arrivals.pop(call_id, None)
+        if arrived is not None and metrics.current is not None:
+            metrics.current.call_served(function, session.peer_name, ok, time.perf_counter() - arrived)
 
 
 async def awaitable(result: Any) -> Any:

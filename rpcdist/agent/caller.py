@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rpcdist import serialization
+from rpcdist import metrics, serialization
 from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.extensions import run_undo
 from rpcdist.agent.options import WorkerInfo
@@ -51,6 +51,7 @@ class OutgoingCall:
         "timer",
         "call_id",
         "sent",
+        "metric",
     )
 
     def __init__(
@@ -74,6 +75,7 @@ class OutgoingCall:
         self.timer: asyncio.TimerHandle | None = None
         self.call_id = 0
         self.sent = False  # on the wire (counted in the peer's in-flight calls)
+        self.metric: metrics.CallTimer | None = None  # set while metrics are on
 
 
 class Caller(LinkHandler):
@@ -148,6 +150,8 @@ class Caller(LinkHandler):
             return
         self.pending[call_id] = call
         self.no_pending.clear()
+        if metrics.current is not None and call.metric is None:
+            call.metric = metrics.current.call_started(call.function, call.dest.name)
         if call.timeout > 0 and call.timer is None:
             call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
         self._send(link, call)
@@ -240,6 +244,8 @@ class Caller(LinkHandler):
         self._ended(call)
         if not self.pending:
             self.no_pending.set()
+        if call.metric is not None:
+            call.metric.failed(error)
         call.future._try_complete(None, error)
 
     def fail_all(self, error: Callable[[OutgoingCall], BaseException]) -> None:
@@ -275,22 +281,32 @@ class Caller(LinkHandler):
             if not self.pending:
                 self.no_pending.set()
             if isinstance(buffers, Exception):
-                call.future._try_complete(
-                    None, RpcError(f"cannot receive the result of {call.function}: {buffers}")
+                self._complete(
+                    call, None, RpcError(f"cannot receive the result of {call.function}: {buffers}")
                 )
             elif header.kind == frames.RESPONSE:
                 try:
                     result = agent.decode(header.payload, buffers)
                 except Exception as exc:
-                    call.future._try_complete(
-                        None, SerializationError(f"cannot unpickle the result of {call.function}: {exc}")
+                    self._complete(
+                        call,
+                        None,
+                        SerializationError(f"cannot unpickle the result of {call.function}: {exc}"),
                     )
                     continue
-                call.future._try_complete(result, None)
+                self._complete(call, result, None)
             else:
-                call.future._try_complete(
-                    None, rebuild_error(header.payload, buffers, call.function, call.dest.name, agent.decode)
-                )
+                error = rebuild_error(header.payload, buffers, call.function, call.dest.name, agent.decode)
+                self._complete(call, None, error)
+
+    @staticmethod
+    def _complete(call: OutgoingCall, result: Any, error: BaseException | None) -> None:
+        if call.metric is not None:
+            if error is None:
+                call.metric.finished()
+            else:
+                call.metric.failed(error)
+        call.future._try_complete(result, error)
 
     def on_lost(self, link: Link, reason: str) -> None:
         """The link to a peer is gone: every call pending on it fails now, and whoever

@@ -23,13 +23,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rpcdist import serialization
+from rpcdist import metrics, serialization
 from rpcdist.agent.callee import Callee, awaitable
 from rpcdist.agent.caller import Caller
 from rpcdist.agent.codec import pickle_message
 from rpcdist.agent.extensions import CallExtension
 from rpcdist.agent.markers import inline, is_async_execution, is_inline
 from rpcdist.agent.options import RpcBackendOptions, WorkerInfo
+from rpcdist.agent.status import SERVICE_NAME as STATUS_SERVICE
+from rpcdist.agent.status import StatusServicer
 from rpcdist.agent.threads import LoopInbox, WorkerPool
 from rpcdist.errors import UnknownWorkerError, WorkerUnavailableError
 from rpcdist.futures import Future
@@ -67,10 +69,13 @@ class Agent:
         self.inbox = LoopInbox(loop)
         self.dynamic = False  # a group workers join and leave (rpcdist.rpc.elastic)
         self.closing = False
+        self.serves_metrics = False  # whoever started it keeps a share of the metrics endpoint
         self._closed = False
         self._peer_lost_listeners: list[Callable[[WorkerInfo, str], None]] = []
         # Restricted mode: the allowlist is imported now, so a typo fails init, not a call later.
         self.allowed = serialization.resolve_allowlist(options.allowlist) if options.restricted else {}
+        # Further counts for status() from the layers above (the RRef table's debug_info).
+        self.status_sources: list[Callable[[], dict[str, int]]] = []
         self.caller = Caller(self)
         self.callee = Callee(self)
         self.transport = Transport(
@@ -84,6 +89,7 @@ class Agent:
             heartbeat_misses=options.heartbeat_misses,
             security=rendezvous.security,
         )
+        metrics.track(self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -95,8 +101,26 @@ class Agent:
         return self.transport.unix_path
 
     async def serve(self, host: str) -> int:
-        """Start serving peers on ``host`` (ephemeral port); returns the gRPC port."""
-        return await self.transport.start(host)
+        """Start serving peers on ``host`` (ephemeral port); returns the gRPC port. The same
+        server answers ``rpcdist.v1.Status`` (see :meth:`status`), health checks and reflection."""
+        return await self.transport.start(host, [(STATUS_SERVICE, StatusServicer(self).add_to)])
+
+    def status(self) -> dict[str, Any]:
+        """What this worker is doing now: ``name``, ``rank``, ``counts`` (``calls_in_flight``:
+        calls it made that have not ended; ``calls_running``: peers' calls it runs; plus the
+        layers' own, e.g. ``rpc.debug_info()``) and ``peers`` (see ``Transport.peer_states``)."""
+        counts = {
+            "calls_in_flight": len(self.caller.pending),
+            "calls_running": sum(len(session.running) for session in list(self.callee.sessions)),
+        }
+        for source in list(self.status_sources):
+            counts.update(source())
+        return {
+            "name": self.info.name,
+            "rank": self.info.id,
+            "counts": counts,
+            "peers": self.transport.peer_states(),
+        }
 
     def card(self, advertise_host: str) -> dict[str, str]:
         """What this worker publishes at rendezvous so peers can reach it."""

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpcdist import metrics
 from rpcdist.errors import MembershipError
 from rpcdist.security import Security
 from rpcdist.serialization import trust
@@ -96,6 +97,9 @@ class RpcBackendOptions:
         tls_cert, tls_key, tls_ca: PEM files: this worker's certificate and key, and the CA
             peers are verified against (given a CA, servers require client certificates:
             mTLS). Default: ``RPCDIST_TLS_CERT``/``RPCDIST_TLS_KEY``/``RPCDIST_TLS_CA``.
+        metrics_port: serve Prometheus metrics of this process at ``http://HOST:PORT/metrics``
+            (0: a free port, see ``rpcdist.metrics.address()``), on the interface the worker
+            listens on. ``None`` (default): as ``RPCDIST_METRICS_PORT`` says, off when unset.
         device_maps, devices, _transports, _channels: torch TensorPipe fields, accepted for
             compatibility; only CPU tensors are supported, so device maps must be empty.
     """
@@ -119,6 +123,7 @@ class RpcBackendOptions:
     restricted: bool = field(default_factory=_restricted_from_env)
     allowlist: list[str] = field(default_factory=list)
     max_inflight_calls_per_peer: int = DEFAULT_MAX_INFLIGHT_CALLS_PER_PEER
+    metrics_port: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     auth_token: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
@@ -146,10 +151,18 @@ class RpcBackendOptions:
             )
         if isinstance(self.allowlist, str) or not all(isinstance(n, str) for n in self.allowlist):
             raise ValueError(f"allowlist must be a list of qualified names, got {self.allowlist!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"metrics_port must be a port in 0..65535 (0: any free one), got {self.metrics_port}"
+            )
 
     def security(self) -> Security:
         """The credentials these options give, completed from the environment."""
         return Security.resolve(self.auth_token, self.tls_cert, self.tls_key, self.tls_ca)
+
+    def resolved_metrics_port(self) -> int | None:
+        """The metrics port to serve: ``metrics_port``, else ``RPCDIST_METRICS_PORT``'s, else None."""
+        return self.metrics_port if self.metrics_port is not None else metrics.port_from_env()
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """torch compatibility; CPU-only, so any non-empty map is refused."""

@@ -35,7 +35,7 @@ from urllib.parse import urlparse, urlunparse
 import torch
 from torch.distributed import DebugLevel
 
-from rpcdist import _launch_env
+from rpcdist import _launch_env, metrics
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, current_loop, release_loop, stray_cancellation
 from rpcdist.agent import Agent, RpcBackendOptions, WorkerInfo
@@ -256,6 +256,10 @@ async def _init(
             options.init_method, rank, world_size, options.store_timeout, options.security()
         )
     agent = Agent(WorkerInfo(f"c10d-rank{rank}", rank), world_size, options, meeting, loop)
+    metrics_port = options.resolved_metrics_port()
+    if metrics_port is not None:  # shared with RPC's when both run in this process
+        metrics.enable(metrics_port, options.listen_host or _listen_host(meeting.host))
+        agent.serves_metrics = True
     state = _State(rank, world_size, name, seconds, agent, loop, owns_loop, store=meeting.store)
     state.world = ProcessGroup(state, 0, list(range(world_size)), seconds)
     watch_peers(state)
@@ -290,6 +294,8 @@ async def _init(
     except BaseException:
         set_state(None)
         await agent.close(graceful=False)
+        if agent.serves_metrics:
+            metrics.release()
         if store is None:
             await meeting.close()
         raise
@@ -359,6 +365,9 @@ async def destroy_process_group_async() -> None:
                 log.debug("exit notice failed: %s", exc)
         await state.agent.rendezvous.close()
     finally:
+        if state.agent.serves_metrics:
+            state.agent.serves_metrics = False
+            metrics.release()
         set_state(None)
         GroupMember.WORLD = None
 
@@ -488,7 +497,28 @@ def _collective(
     if not async_op and current_loop() is pg._state.loop:  # refuse before taking a number
         raise BlockingCallError(f"{name} would block the event loop: pass async_op=True and await the Work")
     exchange = algo.Exchange(pg, name, pg.next_sequence())  # numbered now, in call order
+    if metrics.current is not None:
+        body = _timed(name, body)
     return _launch(lambda: body(exchange), async_op, f"{_comm_label(name)} on rank {get_rank()}", pg.timeout)
+
+
+def _timed(
+    op: str, body: Callable[[algo.Exchange], Coroutine[Any, Any, Any]]
+) -> Callable[[algo.Exchange], Coroutine[Any, Any, Any]]:
+    """``body`` reporting its duration to the metrics (rpcdist_collective_duration_seconds)."""
+
+    async def timed(exchange: algo.Exchange) -> Any:
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            result = await body(exchange)
+            outcome = "ok"
+            return result
+        finally:
+            if metrics.current is not None:
+                metrics.current.collective_seconds.labels(op, outcome).observe(time.perf_counter() - started)
+
+    return timed
 
 
 def _tensor(t: Any, name: str, contiguous: bool = True) -> torch.Tensor:

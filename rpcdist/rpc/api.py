@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rpcdist import metrics
 from rpcdist import rendezvous as rdv
 from rpcdist._runtime import acquire_loop, call_blocking, release_loop, stray_cancellation
 from rpcdist.agent import Agent, current_agent, set_current_agent
@@ -84,12 +85,22 @@ async def init_rpc_async(
         rank, world_size = rdv.resolve_rank_and_size(rank, world_size)
     loop = asyncio.get_running_loop()
     timeout = options.store_timeout
+    metrics_port = options.resolved_metrics_port()
     meeting = await rdv.rendezvous(options.init_method, rank, world_size or 1, timeout, options.security())
+    listen = options.listen_host or _default_listen_host(meeting.host)
+    if metrics_port is not None:
+        try:
+            metrics.enable(metrics_port, listen)
+        except BaseException:
+            await meeting.close()
+            raise
     if dynamic:
         try:
             rank = await elastic.claim(PrefixStore(_STORE_PREFIX, meeting.store), name, rank)
         except BaseException:
             await meeting.close()
+            if metrics_port is not None:
+                metrics.release()
             raise
     agent = Agent(WorkerInfo(name, rank), world_size or 0, options, meeting, loop)
     agent.dynamic = dynamic
@@ -102,8 +113,8 @@ async def init_rpc_async(
     # which can be before join_group returns here.
     rrefs.attach(agent)
     _install(agent)
+    agent.serves_metrics = metrics_port is not None
     try:
-        listen = options.listen_host or _default_listen_host(meeting.host)
         port = await agent.serve(listen)
         advertise = options.advertise_host or (
             listen if listen != "0.0.0.0" else rdv.local_address_towards(meeting.host or "8.8.8.8")
@@ -119,6 +130,8 @@ async def init_rpc_async(
         rrefs.detach()
         await agent.close(graceful=False)
         await meeting.close()
+        if metrics_port is not None:
+            metrics.release()
         raise
     if dynamic:
         log.info("%s (rank %d) joined a dynamic group, %d present; port %d", name, rank, len(members), port)
@@ -226,6 +239,9 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         await asyncio.shield(_close_quietly(agent))
         raise
     finally:
+        if agent.serves_metrics:
+            agent.serves_metrics = False
+            metrics.release()
         _install(None)
         elastic.reset()
         rrefs.detach()

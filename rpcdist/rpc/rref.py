@@ -58,6 +58,7 @@ def attach(agent: Agent) -> RRefContext:
     """Start the RRef protocol on ``agent`` (``init_rpc``); this process's RRefs use it."""
     global _current
     _current = RRefContext(agent)
+    agent.status_sources.append(_current.debug_info)  # rpcdist-status and the metrics show them
     return _current
 
 

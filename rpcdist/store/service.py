@@ -41,6 +41,7 @@ import errno
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -49,7 +50,9 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
+from rpcdist import metrics
 from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
 from rpcdist.security import (
     Security,
@@ -291,7 +294,7 @@ class StoreServicer:
         for name, response in responses.items():
             fn: Callable[[bytes, Any], Awaitable[Message]] = getattr(self, name)
             handlers[name] = grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=None, response_serializer=response.SerializeToString
+                _measured(name, fn), request_deserializer=None, response_serializer=response.SerializeToString
             )
         return handlers
 
@@ -300,6 +303,28 @@ class StoreServicer:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, self.method_handlers()),)
         )
+
+
+def _measured(
+    method: str, handler: Callable[[bytes, Any], Awaitable[Message]]
+) -> Callable[[bytes, Any], Awaitable[Message]]:
+    """``handler`` timing its requests into rpcdist_store_request_duration_seconds while
+    metrics are on (see :mod:`rpcdist.metrics`)."""
+
+    async def measured(raw: bytes, context: Any) -> Message:
+        if metrics.current is None:
+            return await handler(raw, context)
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            answer = await handler(raw, context)
+            outcome = "ok"
+            return answer
+        finally:
+            if metrics.current is not None:
+                metrics.current.store_seconds.labels(method, outcome).observe(time.perf_counter() - started)
+
+    return measured
 
 
 def _address_in_use(host: str, port: int) -> OSError | None:
@@ -435,6 +460,8 @@ class StoreServer:
         StoreServicer(state, limits).add_to_server(server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
         address = format_address(host, port)
         try:
             bound = security.add_port(server, address)

@@ -102,6 +102,7 @@ class Link(abc.ABC):
         self.assemblies: dict[int, Any] = {}
         self.last_heard = time.monotonic()  # when the peer last sent anything on this link
         self.lost_reason = ""  # set when the link is given up on (no heartbeat answer)
+        self.traffic: Any = None  # the peer's byte counters (rpcdist.metrics.Traffic), metrics on
 
     def give_up(self, reason: str) -> None:
         """The peer stopped answering: stop reading; the loss is reported with ``reason``."""

@@ -21,17 +21,25 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
+from rpcdist import metrics
 from rpcdist.security import Security, server_interceptors
 from rpcdist.transport import shm
 from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory, Write
-from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, GrpcLink, exchange_handler
+from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, SERVICE, GrpcLink, exchange_handler
 from rpcdist.transport.tcp_link import TcpLink, serve_tcp
 from rpcdist.transport.unix_link import UnixLink, serve_unix
 from rpcdist.transport.writer import FrameWriter
+from rpcdist.v1 import agent_pb2  # noqa: F401 - registers the Agent service's descriptor for reflection
+
+ServiceSetup = tuple[str, Callable[[grpc.aio.Server], None]]
+"""A further gRPC service for the worker's server: its full name, and what adds it to a server."""
 
 log = logging.getLogger(__name__)
 
@@ -93,24 +101,41 @@ class Transport(LinkHandler):
         self._links: dict[int, Link] = {}
         self._lost: list[Link] = []  # links gone from under us, closed for good at close()
         self._server: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
         self._unix_server: asyncio.AbstractServer | None = None
         self.unix_path = ""
         self.port = 0
         self._closed = False
+        self._lost_peers: dict[int, str] = {}  # rank -> why its link was lost (until it reconnects)
 
     # ------------------------------------------------------------------ serving
-    async def start(self, host: str) -> int:
+    async def start(self, host: str, services: Sequence[ServiceSetup] = ()) -> int:
         """Serve incoming links on ``host`` (ephemeral gRPC port) and, when co-located peers
-        can use it, a Unix socket; returns the gRPC port."""
+        can use it, a Unix socket; returns the gRPC port.
+
+        The gRPC server also serves ``services``, the standard health service (SERVING until
+        :meth:`close`) and server reflection, which lists them all."""
         security = self.security
         interceptors = server_interceptors(security, f"worker {self.name}")
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         self._server.add_generic_rpc_handlers((exchange_handler(self._accept),))
+        for _, add_to in services:
+            add_to(self._server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        names = [
+            SERVICE,
+            *(name for name, _ in services),
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        ]
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self._server)
         address = f"[{host}]:0" if ":" in host else f"{host}:0"
         self.port = security.add_port(self._server, address)
         if not self.port:
             raise OSError(f"worker {self.name} cannot listen on {host}")
         await self._server.start()
+        for name in ("", *names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         listening = [f"gRPC {address[:-1]}{self.port} ({'TLS' if security.tls else 'plaintext'})"]
         if self.shm_probe and self._unix_sockets:
             path = shm.socket_path()
@@ -201,10 +226,41 @@ class Transport(LinkHandler):
         """``rank`` left: drop its address; its link (if any) is closed with the transport."""
         self.peers.pop(rank, None)
         self._unresponsive.discard(rank)
+        self._lost_peers.pop(rank, None)
         link = self._links.pop(rank, None)
         if link is not None:
             link.writer.abort()
             self._lost.append(link)
+
+    def peer_states(self) -> list[dict[str, object]]:
+        """Each known peer's link as this worker sees it now (for metrics and status):
+        ``name``, ``rank``, ``state`` ("connected", "unresponsive": heartbeats unanswered,
+        "lost": its connection broke, "idle": never needed), ``carrier`` and
+        ``seconds_since_heard`` (None without a link)."""
+        now = time.monotonic()
+        states = []
+        for rank, peer in sorted(self.peers.items()):
+            if peer.name == self.name:
+                continue  # this worker itself
+            link = self._links.get(rank)
+            if rank in self._unresponsive:
+                state = "unresponsive"
+            elif link is not None:
+                state = "connected"
+            elif rank in self._lost_peers:
+                state = "lost"
+            else:
+                state = "idle"
+            states.append(
+                {
+                    "name": peer.name,
+                    "rank": rank,
+                    "state": state,
+                    "carrier": type(link).__name__.removesuffix("Link").lower() if link is not None else "",
+                    "seconds_since_heard": None if link is None else max(0.0, now - link.last_heard),
+                }
+            )
+        return states
 
     def is_colocated(self, rank: int) -> bool:
         """Whether ``rank`` shares this host's /dev/shm (so shared memory reaches it)."""
@@ -227,7 +283,10 @@ class Transport(LinkHandler):
                 link = GrpcLink(self, peer, peer.grpc_address, self.security)
             if rank in self._unresponsive:  # one heartbeat's grace (see _beat)
                 link.last_heard -= self.heartbeat_interval * self.heartbeat_misses
+            if metrics.current is not None:
+                link.traffic = link.writer.traffic = metrics.current.traffic(peer.name)
             self._links[rank] = link
+            self._lost_peers.pop(rank, None)
         return link
 
     def existing_link(self, rank: int) -> Link | None:
@@ -236,6 +295,8 @@ class Transport(LinkHandler):
 
     def on_frame(self, link: Link, raw: bytes) -> None:
         link.last_heard = time.monotonic()
+        if link.traffic is not None:
+            link.traffic.received += len(raw)
         self._unresponsive.discard(link.peer.rank)
         if raw:  # empty: an answer to a heartbeat
             self._handler.on_frame(link, raw)
@@ -245,6 +306,8 @@ class Transport(LinkHandler):
             del self._links[link.peer.rank]  # the next send reconnects
         link.writer.abort()  # nothing it still holds can arrive
         self._lost.append(link)
+        if link.peer.rank in self.peers:
+            self._lost_peers[link.peer.rank] = reason
         self._handler.on_lost(link, reason)
 
     # ------------------------------------------------------------------ shared memory
@@ -313,6 +376,8 @@ class Transport(LinkHandler):
         if self._tcp_server is not None:
             self._tcp_server.close()
         if self._server is not None:
+            if self._health is not None:
+                await self._health.enter_graceful_shutdown()
             await self._server.stop(grace=1.0 if graceful else None)
             self._server = None  # its handlers refer back to the sessions' owner
         shm.remove([self.shm_probe])

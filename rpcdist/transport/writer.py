@@ -38,6 +38,8 @@ class FrameWriter:
         self._wake = asyncio.Event()
         self._closed = False
         self._heartbeat_due = False
+        # The peer's byte counters (rpcdist.metrics.Traffic) while metrics are on; None is free.
+        self.traffic: Any = None
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
 
     def send(self, entries: Entries) -> None:
@@ -77,8 +79,11 @@ class FrameWriter:
                 size += sum(len(p) for p in entry)
                 if size >= MAX_FRAME_BYTES and len(messages) > 1:
                     messages.rotate(-1)  # a big message yields its turn after each chunk
-            if pieces and not await self._put(pieces):
-                return
+            if pieces:
+                if not await self._put(pieces):
+                    return
+                if self.traffic is not None:
+                    self.traffic.sent += size
 
     async def _put(self, frame: list[bytes | memoryview]) -> bool:
         """Write one frame; False once the link is gone (its reader fails the calls that were
