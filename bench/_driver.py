@@ -38,7 +38,7 @@ import _harness as H
 from _harness import log
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("rpc", "c10d", "autograd", "failure")  # bench/scenarios/<name>.py
+SCENARIOS = ("rpc", "c10d", "autograd", "failure", "ddp")  # bench/scenarios/<name>.py
 
 
 class Scenario(abc.ABC):
