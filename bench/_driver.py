@@ -38,7 +38,8 @@ import _harness as H
 from _harness import log
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("rpc", "c10d", "autograd", "failure", "security", "metrics")  # bench/scenarios/<name>.py
+# bench/scenarios/<name>.py
+SCENARIOS = ("rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp")
 
 
 class Scenario(abc.ABC):

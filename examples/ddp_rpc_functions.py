@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 import rpcdist.autograd as dist_autograd
 from rpcdist.nn import RemoteModule
@@ -92,6 +93,14 @@ def run_trainer(
     criterion = nn.CrossEntropyLoss()
     batches = make_batches(trainer_rank, n_batches, batch_size, int(config["seed"]))
     losses: list[float] = []
+    # A progress bar per trainer, each on its own terminal line (stderr; stdout keeps the epochs).
+    progress = tqdm(
+        total=epochs * len(batches),
+        desc=f"trainer{trainer_rank}",
+        position=trainer_rank,
+        unit="step",
+        mininterval=0.5,
+    )
     start = time.perf_counter()
     for epoch in range(1, epochs + 1):
         total = 0.0
@@ -102,10 +111,14 @@ def run_trainer(
                 dist_autograd.backward(context_id, [loss])
                 opt.step(context_id)
             total += loss.item()
+            progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+            progress.update()
         losses.append(total / len(batches))
         line = f"epoch {epoch:2d}/{epochs}  trainer{trainer_rank}  loss {losses[-1]:.4f}"
-        sys.stdout.write(f"{line}  ({time.perf_counter() - start:5.1f} s)\n")  # one write: whole lines
-        sys.stdout.flush()
+        with tqdm.external_write_mode(file=sys.stdout):  # the bars step aside for the line
+            sys.stdout.write(f"{line}  ({time.perf_counter() - start:5.1f} s)\n")  # one write: whole lines
+            sys.stdout.flush()
+    progress.close()
     return {"losses": losses, "in_sync": dense_layer_in_sync(model.fc.module)}
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import rpcdist
 import rpcdist.autograd as dist_autograd
@@ -123,6 +124,10 @@ def train_in_group(name: str, trainer: int, args: argparse.Namespace) -> int:
     parameters = rpc.rpc_sync(SERVER_NAME, ef.parameter_rrefs)  # RRefs to the server's parameters
     optimizer = DistributedOptimizer(torch.optim.SGD, parameters, lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed + trainer)
+    # No total: how long a trainer stays is up to the server. One line per trainer, on stderr,
+    # and only on a terminal: under rpcdist-run stderr is a pipe the launcher copies line by
+    # line with a [rankN]: prefix, where a bar redrawn in place is noise.
+    progress = tqdm(desc=name, position=trainer - 1, unit="step", mininterval=0.5, disable=None)
     start = time.perf_counter()
     epoch = 0
     while True:
@@ -137,14 +142,19 @@ def train_in_group(name: str, trainer: int, args: argparse.Namespace) -> int:
             total_loss += loss.item()
             correct += int((output.detach().argmax(dim=1) == y[batch]).sum())
             steps += 1
+            progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+            progress.update()
         go_on = rpc.rpc_sync(SERVER_NAME, ef.epoch_done, args=(name, epoch))
-        say(
-            f"{name}: epoch {epoch:2d}  loss {total_loss / steps:.4f}  train accuracy {correct / len(x):.3f}"
-            f"  ({time.perf_counter() - start:5.1f} s)  members: {members()}"
-        )
-        if trainer == 1 and (not go_on or epoch >= args.max_epochs):
-            return epoch
-        if trainer > 1 and epoch >= args.visit_epochs:
+        with tqdm.external_write_mode(file=sys.stdout):  # the bar steps aside for the line
+            say(
+                f"{name}: epoch {epoch:2d}  loss {total_loss / steps:.4f}"
+                f"  train accuracy {correct / len(x):.3f}"
+                f"  ({time.perf_counter() - start:5.1f} s)  members: {members()}"
+            )
+        if (trainer == 1 and (not go_on or epoch >= args.max_epochs)) or (
+            trainer > 1 and epoch >= args.visit_epochs
+        ):
+            progress.close()
             return epoch
 
 

@@ -2,7 +2,7 @@
 
 Run it with one command; there is no server to start and nothing to configure::
 
-    python examples/parameter_server.py [--trainers 2] [--epochs 12] [--quick]
+    python examples/parameter_server.py [--trainers 2] [--epochs 12] [--quick] [--plot PATH]
 
 It starts ``1 + trainers`` processes on this machine that meet through ``env://`` (the
 launcher picks a free port for MASTER_PORT; the server, rank 0, hosts the store):
@@ -24,6 +24,11 @@ launcher picks a free port for MASTER_PORT; the server, rank 0, hosts the store)
 The trainers do not wait for one another: each step updates the server's parameters as soon
 as its gradients are in (asynchronous SGD, as in torch's parameter-server tutorial).
 
+While it runs, each trainer shows a progress bar (tqdm, on stderr) and prints a line per
+epoch; at the end the server writes the curves (every trainer's loss and train accuracy, and
+the test accuracy of the server's parameters after each epoch) to a PNG, ``--plot PATH``
+(default ``parameter_server.png`` in the current directory), and prints its path.
+
 The classes live in ``ps_functions.py``: rpcdist sends them by name, so every worker must be
 able to import them.
 """
@@ -37,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import rpcdist.autograd as dist_autograd
 import rpcdist.rpc as rpc
@@ -44,10 +50,12 @@ from rpcdist.optim import DistributedOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ps_functions, also under `python -m`
 import _launch  # noqa: E402
+import _plot  # noqa: E402
 import ps_functions  # noqa: E402
 
 SERVER_NAME = "ps"
 EPOCHS, QUICK_EPOCHS = 12, 3
+DEFAULT_PLOT = "parameter_server.png"  # in the current directory
 
 
 def say(text: str) -> None:
@@ -67,6 +75,11 @@ def train(rank: int, args: argparse.Namespace) -> None:
     model = ps_functions.TrainerNet(SERVER_NAME, seed=args.seed)
     optimizer = DistributedOptimizer(torch.optim.SGD, model.get_global_param_rrefs(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed + rank)
+    steps_per_epoch = -(-len(x) // args.batch_size)
+    # One bar per trainer, on its own line of the terminal (stderr; stdout keeps the epoch lines).
+    progress = tqdm(
+        total=args.epochs * steps_per_epoch, desc=name, position=rank - 1, unit="step", mininterval=0.5
+    )
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         total_loss, correct, steps = 0.0, 0, 0
@@ -79,10 +92,18 @@ def train(rank: int, args: argparse.Namespace) -> None:
             total_loss += loss.item()
             correct += int((output.detach().argmax(dim=1) == y[batch]).sum())
             steps += 1
-        say(
-            f"epoch {epoch:2d}/{args.epochs}  {name}  loss {total_loss / steps:.4f}"
-            f"  train accuracy {correct / len(x):.3f}  ({steps} steps, {time.perf_counter() - start:5.1f} s)"
+            progress.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", refresh=False)
+            progress.update()
+        mean_loss, accuracy = total_loss / steps, correct / len(x)
+        test_accuracy = model.server_rref.rpc_sync().record_epoch(name, epoch, mean_loss, accuracy)
+        progress.write(
+            f"epoch {epoch:2d}/{args.epochs}  {name}  loss {mean_loss:.4f}  train accuracy {accuracy:.3f}"
+            f"  server test accuracy {test_accuracy:.3f}"
+            f"  ({steps} steps, {time.perf_counter() - start:5.1f} s)",
+            file=sys.stdout,
         )
+        sys.stdout.flush()
+    progress.close()
 
 
 def report(args: argparse.Namespace) -> None:
@@ -97,6 +118,42 @@ def report(args: argparse.Namespace) -> None:
         f"test accuracy of the server's parameters on {len(x_test)} digits: {accuracy:.3f}"
     )
     say(f"result: test accuracy {accuracy:.4f} (chance is 0.1)")
+    path = plot(server.history, accuracy, args)
+    say(f"curve: {path}")
+
+
+def plot(
+    history: list[tuple[str, int, float, float, float]], accuracy: float, args: argparse.Namespace
+) -> Path:
+    """The PNG of the run: per trainer its loss and train accuracy per epoch, and the test
+    accuracy of the server's parameters each time a trainer finished an epoch."""
+    losses: dict[str, tuple[list[int], list[float]]] = {}
+    accuracies: dict[str, tuple[list[int], list[float]]] = {}
+    for trainer, epoch, loss, train_accuracy, _ in sorted(history):
+        for lines, value in ((losses, loss), (accuracies, train_accuracy)):
+            xs, ys = lines.setdefault(trainer, ([], []))
+            xs.append(epoch)
+            ys.append(value)
+    # the server's test accuracy, in the order the epochs ended, at the epoch's fraction of the run
+    done = {t: 0 for t in losses}
+    test_x, test_y = [], []
+    for trainer, _, _, _, test_accuracy in history:
+        done[trainer] += 1
+        test_x.append(sum(done.values()) / len(done))
+        test_y.append(test_accuracy)
+    accuracies["test (server's parameters)"] = (test_x, test_y)
+    title = (
+        f"parameter server + {args.trainers} trainers on digits, distributed autograd (rpcdist); "
+        f"final test accuracy {accuracy:.3f}"
+    )
+    return _plot.save_curves(
+        args.plot,
+        title,
+        [
+            ("training loss", "epoch", "mean NLL loss", losses),
+            ("accuracy", "epoch", "accuracy", accuracies),
+        ],
+    )
 
 
 def run_worker(rank: int, args: argparse.Namespace) -> None:
@@ -125,6 +182,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model and the shuffling")
     parser.add_argument(
         "--timeout", type=float, default=None, help="give up and kill the workers after this (s)"
+    )
+    parser.add_argument(
+        "--plot",
+        default=DEFAULT_PLOT,
+        help=f"where to write the curves' PNG (default {DEFAULT_PLOT} in the current directory)",
     )
     args = parser.parse_args(argv)
     if args.trainers < 1:

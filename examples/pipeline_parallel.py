@@ -2,7 +2,7 @@
 
 Run it with one command; there is no server to start and nothing to configure::
 
-    python examples/pipeline_parallel.py [--stages 2] [--steps 60] [--quick]
+    python examples/pipeline_parallel.py [--stages 2] [--steps 60] [--quick] [--plot PATH]
 
 It starts ``1 + stages`` processes on this machine that meet through ``env://`` (the launcher
 picks a free port for MASTER_PORT; the master, rank 0, hosts the store):
@@ -29,6 +29,11 @@ parameters) has each worker update its own. The task is a synthetic regression (
 ``--remote-modules`` builds the same stages as ``rpcdist.nn.RemoteModule`` objects instead (torch's
 ``RemoteModule`` API) and gathers the micro-batches with ``torch.futures.wait_all``.
 
+While it trains, the master shows a progress bar (tqdm, on stderr) and prints a line per
+step; at the end it writes the loss curve (training loss per step, test loss every few steps)
+to a PNG, ``--plot PATH`` (default ``pipeline_parallel.png`` in the current directory), and
+prints its path.
+
 The classes live in ``pipeline_functions.py``: rpcdist sends them by name, so every worker
 must be able to import them.
 """
@@ -42,6 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import rpcdist.autograd as dist_autograd
 import rpcdist.rpc as rpc
@@ -49,12 +55,15 @@ from rpcdist.optim import DistributedOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pipeline_functions, also under `python -m`
 import _launch  # noqa: E402
+import _plot  # noqa: E402
 import pipeline_functions as pf  # noqa: E402
 
 MASTER_NAME = "master"
 STEPS, QUICK_STEPS = 60, 20
 SIZES = [pf.N_FEATURES, 64, 64, 64, 1]  # the MLP's widths, input to output
 N_TRAIN, N_TEST = 2048, 512
+TEST_POINTS = 10  # how many times the test loss is measured during training
+DEFAULT_PLOT = "pipeline_parallel.png"  # in the current directory
 
 
 def say(text: str) -> None:
@@ -80,9 +89,12 @@ def train(args: argparse.Namespace) -> None:
         f"{', '.join(model.stage_names())} ({len(param_rrefs)} parameter tensors); batches of "
         f"{args.batch_size} in {n_micro} micro-batches of {args.split_size}; SGD lr={args.lr}"
     )
-    say(f"test loss before training: {F.mse_loss(model(x_test), y_test).item():.4f}")
+    test_steps, test_losses = [0], [F.mse_loss(model(x_test), y_test).item()]
+    say(f"test loss before training: {test_losses[0]:.4f}")
+    every = max(1, args.steps // TEST_POINTS)
     generator = torch.Generator().manual_seed(args.seed)
     losses: list[float] = []
+    progress = tqdm(total=args.steps, desc="master", unit="step", mininterval=0.5)  # on stderr
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         batch = torch.randint(0, N_TRAIN, (args.batch_size,), generator=generator)
@@ -92,12 +104,42 @@ def train(args: argparse.Namespace) -> None:
             dist_autograd.backward(context_id, [loss])
             optimizer.step(context_id)
         losses.append(loss.item())
-        say(f"step {step:3d}/{args.steps}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:5.1f} s)")
+        if step % every == 0 and step < args.steps:  # the last step's test loss is measured below
+            with torch.no_grad():
+                test_steps.append(step)
+                test_losses.append(F.mse_loss(model(x_test), y_test).item())
+        progress.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        progress.update()
+        progress.write(
+            f"step {step:3d}/{args.steps}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:5.1f} s)",
+            file=sys.stdout,
+        )
+        sys.stdout.flush()
+    progress.close()
     elapsed = time.perf_counter() - start
     say(f"{args.steps} steps in {elapsed:.1f} s ({1000 * elapsed / args.steps:.0f} ms per step)")
-    say(f"test loss after training: {F.mse_loss(model(x_test), y_test).item():.4f}")
+    test_steps.append(args.steps)
+    test_losses.append(F.mse_loss(model(x_test), y_test).item())
+    say(f"test loss after training: {test_losses[-1]:.4f}")
     verdict = "it fell" if losses[-1] < losses[0] else "it did not fall"
     say(f"result: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}: {verdict}")
+    kind = "RemoteModules" if args.remote_modules else "RRefs"
+    path = _plot.save_curves(
+        args.plot,
+        f"an MLP in {args.stages} pipeline stages on rpcdist ({kind}), micro-batches of {args.split_size}",
+        [
+            (
+                "MSE loss",
+                "step",
+                "loss",
+                {
+                    "training (batch)": (range(1, len(losses) + 1), losses),
+                    "test": (test_steps, test_losses),
+                },
+            )
+        ],
+    )
+    say(f"curve: {path}")
 
 
 def run_worker(rank: int, args: argparse.Namespace) -> None:
@@ -132,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=None, help="give up and kill the workers after this (s)"
+    )
+    parser.add_argument(
+        "--plot",
+        default=DEFAULT_PLOT,
+        help=f"where to write the loss curve's PNG (default {DEFAULT_PLOT} in the current directory)",
     )
     args = parser.parse_args(argv)
     if not 2 <= args.stages <= len(SIZES) - 1:

@@ -77,6 +77,9 @@ class ParameterServer:
         self.model = Net()
         self.forwards = 0  # how many forward passes the trainers asked for
         self._count_lock = threading.Lock()
+        # (trainer, epoch, train loss, train accuracy, test accuracy of the server's parameters)
+        self.history: list[tuple[str, int, float, float, float]] = []
+        self._test_set: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The model's output for a trainer's batch (the trainers' calls run concurrently, on
@@ -96,6 +99,17 @@ class ParameterServer:
     def get_param_rrefs(self) -> list[rpc.RRef[torch.Tensor]]:
         """RRefs to the parameters (owned here), for a trainer's DistributedOptimizer."""
         return [rpc.RRef(p) for p in self.model.parameters()]
+
+    def record_epoch(self, trainer: str, epoch: int, loss: float, train_accuracy: float) -> float:
+        """A trainer finished ``epoch``: keep its numbers with the test accuracy of the
+        parameters now (for the curve); returns that accuracy."""
+        if self._test_set is None:
+            _, _, x_test, y_test = load_data()
+            self._test_set = (x_test, y_test)
+        test_accuracy = self.accuracy(*self._test_set)
+        with self._count_lock:
+            self.history.append((trainer, epoch, loss, train_accuracy, test_accuracy))
+        return test_accuracy
 
     @torch.no_grad()
     def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import rpcdist.rpc as rpc
 
@@ -64,6 +65,7 @@ def train(args: argparse.Namespace) -> None:
     )
     rewards: list[float] = []  # per episode: the mean over the observers of their total reward
     running = 0.0
+    progress = tqdm(total=args.episodes, desc=AGENT_NAME, unit="episode", mininterval=0.5)  # on stderr
     start = time.perf_counter()
     for episode in range(1, args.episodes + 1):
         totals = agent.run_round(args.max_steps)
@@ -71,11 +73,15 @@ def train(args: argparse.Namespace) -> None:
         reward = statistics.fmean(totals)
         rewards.append(reward)
         running = reward if episode == 1 else RUNNING_DECAY * reward + (1 - RUNNING_DECAY) * running
+        progress.set_postfix(reward=f"{reward:.1f}", running=f"{running:.1f}", refresh=False)
+        progress.update()
         if episode % args.log_interval == 0 or episode == args.episodes:
-            say(
-                f"episode {episode:4d}  last reward {reward:6.1f}  running reward {running:6.1f}"
-                f"  ({time.perf_counter() - start:5.1f} s)"
-            )
+            with tqdm.external_write_mode(file=sys.stdout):  # the bar steps aside for the line
+                say(
+                    f"episode {episode:4d}  last reward {reward:6.1f}  running reward {running:6.1f}"
+                    f"  ({time.perf_counter() - start:5.1f} s)"
+                )
+    progress.close()
     n = min(10, len(rewards))
     first, last = statistics.fmean(rewards[:n]), statistics.fmean(rewards[-n:])
     rose = last >= 1.5 * first and running >= 1.5 * first

@@ -38,3 +38,29 @@ def run_example(script: str, *args: str, cwd: Path, timeout: float) -> tuple[str
     report = f"{script} exited {proc.returncode}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
     assert proc.returncode == 0, report
     return stdout, report
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# matplotlib's first two line colours (C0, C1), as RGB in [0, 1]
+CURVE_COLOURS = {"C0 blue": (31 / 255, 119 / 255, 180 / 255), "C1 orange": (1.0, 127 / 255, 14 / 255)}
+
+
+def assert_curve_png(stdout: str, expected: Path, report: str) -> None:
+    """The example printed ``curve: <expected>`` and wrote there a valid PNG of a plot: the PNG
+    signature and header, a figure's size, and pixels of both of its first two lines' colours."""
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("curve: ")), None)
+    assert line is not None, f"no 'curve: PATH' line\n{report}"
+    assert Path(line.removeprefix("curve: ")) == expected.resolve(), report
+    data = expected.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR", f"{expected} is not a PNG"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 400 and height >= 200, (width, height)
+    assert len(data) > 10_000, f"{expected}: {len(data)} bytes, too small for a plot"
+
+    import matplotlib.image
+    import numpy as np
+
+    rgb = matplotlib.image.imread(expected)[..., :3]
+    for name, colour in CURVE_COLOURS.items():
+        near = (np.abs(rgb - np.array(colour)) < 0.04).all(axis=-1).sum()
+        assert near >= 100, f"{expected}: only {near} pixels of the {name} line: no curve drawn?"
