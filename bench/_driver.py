@@ -38,7 +38,7 @@ import _harness as H
 from _harness import log
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS = ("rpc", "c10d", "autograd", "failure")  # bench/scenarios/<name>.py
+SCENARIOS = ("rpc", "c10d", "autograd", "failure", "workloads")  # bench/scenarios/<name>.py
 
 
 class Scenario(abc.ABC):
@@ -142,6 +142,11 @@ class Scenario(abc.ABC):
     def notes(self, meta: dict[str, Any]) -> list[str]:
         """The lines after the table."""
         return []
+
+    def finish(  # noqa: B027 - optional hook
+        self, args: argparse.Namespace, rows: list[dict[str, Any]], agg: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """After the table and ``--json``: anything else the run writes (e.g. a plot)."""
 
     def row_systems(self, row: dict[str, Any]) -> tuple[str, ...]:
         """The systems in a row's per-round values."""
@@ -371,6 +376,7 @@ def main(name: str, argv: list[str] | None = None, prog: str | None = None) -> i
         H.write_json(
             args.json, {"meta": meta, "rows": rows, "summary": agg, "rounds": rounds, "failures": fails}
         )
+    sc.finish(args, rows, agg, meta)
     return 0
 
 
