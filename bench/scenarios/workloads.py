@@ -416,8 +416,8 @@ class Workloads(Scenario):
                     f"scale{w}_idle_pct",
                     f"scale{w}",
                     "idle_pct",
-                    f"scale, {w} workers: idle CPU, busiest worker",
-                    "% core",
+                    f"scale, {w} workers: idle CPU, busiest worker (% of a core)",
+                    "%",
                     "lower",
                     at_most=IDLE_TARGET_PCT,
                 )
