@@ -531,26 +531,30 @@ def plot(path: str, rows: list[dict[str, Any]], agg: dict[str, Any], meta: dict[
     import matplotlib.pyplot as plt
 
     bars = [
-        (row["label"], ratio(agg[row["id"]]["rpcdist"]["median"], agg[row["id"]]["torch"]["median"]))
+        (row["label"], ratio(agg[row["id"]]["rpcdist"]["median"], agg[row["id"]]["torch"]["median"]), row)
         for row in rows
         if row["better"] == "higher"
     ]
-    bars = [(label, r) for label, r in bars if r is not None]
+    bars = [(label, r, row) for label, r, row in bars if r is not None]
     scale = [row for row in rows if "world" in row]
     fig, (left, right) = plt.subplots(
         1, 2, figsize=(14, max(4.0, 0.35 * len(bars) + 1.5)), gridspec_kw={"width_ratios": [3, 2]}
     )
     ys = range(len(bars))
-    colors = ["tab:green" if r >= TARGET else "tab:orange" if r >= 1 else "tab:red" for _, r in bars]
-    left.barh(list(ys), [r for _, r in bars], color=colors)
-    left.set_yticks(list(ys), [label for label, _ in bars], fontsize=8)
+    # green: the row's own target met; orange: ahead of torch but short of it; red: behind torch
+    colors = [
+        "tab:green" if r >= row.get("target", TARGET) else "tab:orange" if r >= 1 else "tab:red"
+        for _, r, row in bars
+    ]
+    left.barh(list(ys), [r for _, r, _ in bars], color=colors)
+    left.set_yticks(list(ys), [label for label, _, _ in bars], fontsize=8)
     left.invert_yaxis()
     left.axvline(1.0, color="black", lw=1)
     left.axvline(TARGET, color="tab:green", ls="--", lw=1, label=f"target {TARGET:g}x")
     left.set_xscale("log")  # ratios from well under 1x to tens of x
     left.set_xlabel("rpcdist / torch throughput, log scale (median over rounds)")
     left.legend(loc="lower right", fontsize=8)
-    for y, (_, r) in zip(ys, bars, strict=True):
+    for y, (_, r, _) in zip(ys, bars, strict=True):
         left.text(r, y, f" {r:.2f}x", va="center", fontsize=7)
     if scale:
         for system, style in (("torch", "s--"), ("rpcdist", "o-")):
