@@ -39,7 +39,7 @@ from _harness import log
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 # bench/scenarios/<name>.py
-SCENARIOS = ("rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp")
+SCENARIOS = ("rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp", "workloads")
 
 
 class Scenario(abc.ABC):
@@ -143,6 +143,11 @@ class Scenario(abc.ABC):
     def notes(self, meta: dict[str, Any]) -> list[str]:
         """The lines after the table."""
         return []
+
+    def finish(  # noqa: B027 - optional hook
+        self, args: argparse.Namespace, rows: list[dict[str, Any]], agg: dict[str, Any], meta: dict[str, Any]
+    ) -> None:
+        """After the table and ``--json``: anything else the run writes (e.g. a plot)."""
 
     def row_systems(self, row: dict[str, Any]) -> tuple[str, ...]:
         """The systems in a row's per-round values."""
@@ -372,6 +377,7 @@ def main(name: str, argv: list[str] | None = None, prog: str | None = None) -> i
         H.write_json(
             args.json, {"meta": meta, "rows": rows, "summary": agg, "rounds": rounds, "failures": fails}
         )
+    sc.finish(args, rows, agg, meta)
     return 0
 
 

@@ -20,14 +20,16 @@ def test_list_names_every_scenario() -> None:
     proc = run("--list")
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp"], proc.stdout
+    assert names == ["rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp", "workloads"], (
+        proc.stdout
+    )
 
 
 def test_unknown_scenario_is_a_clear_error() -> None:
     proc = run("no-such-scenario", "--quick")
     assert proc.returncode != 0
     assert "unknown scenario 'no-such-scenario'" in proc.stderr, proc.stderr
-    for name in ("rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp"):
+    for name in ("rpc", "c10d", "autograd", "failure", "security", "metrics", "ddp", "workloads"):
         assert name in proc.stderr, proc.stderr
 
 

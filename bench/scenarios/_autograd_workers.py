@@ -46,6 +46,8 @@ from typing import Any
 
 import _harness as H
 
+from scenarios._rpc_workers import backend_options
+
 _MODEL: Any = None  # "ps": the whole MLP, on rank 0
 _STAGE2: Any = None  # "pipeline": stage 2, on rank 1
 
@@ -203,10 +205,8 @@ def rank_main(
         _STAGE2 = _mlp(dims[1:], cfg["seed"] + 1)
 
     def init() -> dict[str, Any]:
-        if system == "torch":
-            options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)  # TensorPipe defaults
-        else:
-            options = rpc.RpcBackendOptions(init_method=init_method)
+        # TensorPipe / rpcdist defaults, or the cross-host path when ``cfg["path"]`` says so
+        options = backend_options(system, rpc, init_method, cfg)
         rpc.init_rpc(worker_name(scenario, rank), rank=rank, world_size=world, rpc_backend_options=options)
         return {}
 

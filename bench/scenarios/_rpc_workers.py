@@ -81,6 +81,34 @@ class _Reporter:
 # ------------------------------------------------------------------------------------------------
 # torch.distributed.rpc / rpcdist: one caller (rank 0) and one callee (rank 1)
 # ------------------------------------------------------------------------------------------------
+def backend_options(system: str, rpc: Any, init_method: str, cfg: dict[str, Any]) -> Any:
+    """``system``'s RPC backend options for ``cfg["path"]``: "same-host" (the default) is each
+    system's defaults; "cross-host" is what crosses a network even on one host (torch:
+    TensorPipe's uv transport and basic channel; rpcdist: gRPC, or framed TCP with
+    ``cfg["cross_host_carrier"] == "tcp"``, and no shared memory). Every scenario uses this."""
+    cross = cfg.get("path") == "cross-host"
+    if system == "torch":
+        if cross:  # what crosses a network: TCP only
+            return rpc.TensorPipeRpcBackendOptions(
+                init_method=init_method, _transports=["uv"], _channels=["basic"]
+            )
+        return rpc.TensorPipeRpcBackendOptions(init_method=init_method)  # TensorPipe defaults
+    metrics_port = 0 if cfg.get("metrics") else None  # the metrics scenario's "on" rounds
+    if cross:  # gRPC (or framed TCP) links, no shared memory
+        carrier = cfg.get("cross_host_carrier", "grpc")
+        options = rpc.RpcBackendOptions(
+            init_method=init_method, transport=carrier, shm_threshold_bytes=0, metrics_port=metrics_port
+        )
+    else:
+        options = rpc.RpcBackendOptions(init_method=init_method, metrics_port=metrics_port)
+    security = cfg.get("security")  # the security scenario: "plain", "token" or "tls"
+    if security in ("token", "tls"):
+        options.auth_token = cfg["auth_token"]
+    if security == "tls":
+        options.tls_cert, options.tls_key, options.tls_ca = cfg["tls_files"]
+    return options
+
+
 def rpc_worker(
     system: str, rank: int, init_method: str, conn: Any, cfg: dict[str, Any], stack_file: str, lifeline: Any
 ) -> None:
@@ -89,31 +117,11 @@ def rpc_worker(
     name = "caller" if rank == 0 else "callee"
     if system == "torch":
         import torch.distributed.rpc as rpc
-
-        if cfg.get("path") == "cross-host":  # what crosses a network: TCP only
-            options = rpc.TensorPipeRpcBackendOptions(
-                init_method=init_method, _transports=["uv"], _channels=["basic"]
-            )
-        else:
-            options = rpc.TensorPipeRpcBackendOptions(init_method=init_method)  # TensorPipe defaults
     elif system == "rpcdist":
         import rpcdist.rpc as rpc
-
-        metrics_port = 0 if cfg.get("metrics") else None  # the metrics scenario's "on" rounds
-        if cfg.get("path") == "cross-host":  # gRPC (or framed TCP) links, no shared memory
-            carrier = cfg.get("cross_host_carrier", "grpc")
-            options = rpc.RpcBackendOptions(
-                init_method=init_method, transport=carrier, shm_threshold_bytes=0, metrics_port=metrics_port
-            )
-        else:
-            options = rpc.RpcBackendOptions(init_method=init_method, metrics_port=metrics_port)
-        security = cfg.get("security")  # the security scenario: "plain", "token" or "tls"
-        if security in ("token", "tls"):
-            options.auth_token = cfg["auth_token"]
-        if security == "tls":
-            options.tls_cert, options.tls_key, options.tls_ca = cfg["tls_files"]
     else:
         raise ValueError(system)
+    options = backend_options(system, rpc, init_method, cfg)
 
     if rank != 0:  # the callee only serves until the caller shuts the group down
         rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=options)

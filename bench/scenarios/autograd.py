@@ -65,8 +65,9 @@ TARGET = 1.3  # rpcdist's PS training throughput, as a multiple of torch's, aime
 class GroupFollower(Follower):
     """One workload's group: per-rank results; the trainers start measuring together."""
 
-    def __init__(self, tag: str, cfg: dict[str, Any], workload: str) -> None:
-        super().__init__(tag, cfg, [W.worker_name(workload, r) for r in range(WORLD[workload])])
+    def __init__(self, tag: str, cfg: dict[str, Any], workload: str, world: int | None = None) -> None:
+        world = world or WORLD[workload]  # the workloads scenario runs PS groups of other sizes
+        super().__init__(tag, cfg, [W.worker_name(workload, r) for r in range(world)])
         self.workload = workload
         self.out["results"] = self.reports  # phase -> rank -> result
         self.trainers = {r for r, name in enumerate(self.labels) if name.startswith("trainer")}
@@ -113,12 +114,14 @@ def summarize(phase: str, r: dict[str, Any]) -> str:
     return ""
 
 
-def round_metrics(workload: str, results: dict[str, dict[int, Any]], cfg: dict[str, Any]) -> dict[str, float]:
-    """The table's numbers from one group's per-rank results."""
+def round_metrics(
+    workload: str, results: dict[str, dict[int, Any]], cfg: dict[str, Any], world: int | None = None
+) -> dict[str, float]:
+    """The table's numbers from one group's per-rank results (``world``: its size, if not WORLD's)."""
     m: dict[str, float] = {}
     if W.is_ps(workload):
         per = results.get("ps_train", {})
-        if len(per) == WORLD[workload] - 1:
+        if len(per) == (world or WORLD[workload]) - 1:
             begin = min(r["start"] for r in per.values())
             end = max(r["end"] for r in per.values())
             m[f"{workload}_steps_per_s"] = sum(r["steps"] for r in per.values()) / (end - begin)
