@@ -77,8 +77,9 @@ REFUSED = b"RPCD-NO\x00"
 VERDICT_BYTES = len(ACCEPTED)
 """The server's first bytes on a socket: whether it admitted the client's hello."""
 
-# gRPC methods anyone may call: the health service says only whether a store serves.
-_OPEN_METHODS = ("/grpc.health.v1.Health/",)
+# gRPC methods anyone may call: the health service says only whether a server serves, and
+# reflection only which (public) services it has; neither reads nor changes anything.
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/")
 
 
 def _read_text(path: str, what: str) -> bytes:

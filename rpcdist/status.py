@@ -2,8 +2,11 @@
 
 Usage::
 
-    rpcdist-status --store HOST:PORT [--timeout 5] [--json]
+    rpcdist-status --store HOST:PORT [--timeout 5] [--json] [--auth-token-file F] [--tls-ca CA ...]
     python -m rpcdist.status --store HOST:PORT
+
+The job's token comes from ``--auth-token-file`` or ``RPCDIST_AUTH_TOKEN(_FILE)``; for a store
+on this host without one, from the token file the store left for its user (as its workers do).
 
 The members come from the group's rendezvous keys in the store (a fixed group's ranks, or a
 dynamic group's roster). Each member's own gRPC server is then asked for its health
@@ -27,8 +30,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rpcdist import security
 from rpcdist.errors import StoreError
 from rpcdist.rpc.elastic import DYNAMIC, ROSTER
+from rpcdist.security import Security
 from rpcdist.store import GrpcStore, PrefixStore
 from rpcdist.v1 import status_pb2, status_pb2_grpc
 
@@ -37,14 +42,19 @@ __all__ = ["collect", "main", "members"]
 _RPC_PREFIX = "rpc"  # the keys rpcdist.rpc's rendezvous writes under
 
 
-async def members(store_address: str, timeout: float) -> list[dict[str, Any]]:
+async def members(
+    store_address: str, timeout: float, credentials: Security | None = None
+) -> tuple[list[dict[str, Any]], Security]:
     """The RPC group registered in the store at ``host:port``: ``[{rank, name, address}]`` by
-    rank (ranks that have not joined yet have ``name`` ""). StoreError when it is unreachable or
-    holds no group."""
+    rank (ranks that have not joined yet have ``name`` ""), and the credentials that reached it
+    (``credentials``, default from the environment, with the job token a store on this host
+    left for its user, if any). StoreError when it is unreachable or holds no group."""
     host, _, port_text = store_address.rpartition(":")
     if not host or not port_text.isdigit():
         raise ValueError(f"--store must be HOST:PORT, not {store_address!r}")
-    client = GrpcStore(host.strip("[]"), int(port_text), timeout=timeout, connect_timeout=timeout)
+    client = GrpcStore(
+        host.strip("[]"), int(port_text), timeout=timeout, connect_timeout=timeout, security=credentials
+    )
     store = PrefixStore(_RPC_PREFIX, client)
     try:
         if not await store.check_async(["world_size"]):
@@ -55,7 +65,7 @@ async def members(store_address: str, timeout: float) -> list[dict[str, Any]]:
             roster = json.loads(await store.get_async(ROSTER)) if await store.check_async([ROSTER]) else {}
             for rank, entry in sorted(roster.items(), key=lambda item: int(item[0])):
                 found.append({"rank": int(rank), "name": entry["name"], "address": entry["card"]["address"]})
-            return found
+            return found, client.security
         for rank in range(int(size)):
             if await store.check_async([f"address/{rank}"]):
                 name = (await store.get_async(f"rank/{rank}")).decode()
@@ -63,24 +73,24 @@ async def members(store_address: str, timeout: float) -> list[dict[str, Any]]:
                 found.append({"rank": rank, "name": name, "address": card["address"]})
             else:
                 found.append({"rank": rank, "name": "", "address": ""})
-        return found
+        return found, client.security
     finally:
         await client.close_async()
 
 
-async def _ask(member: dict[str, Any], timeout: float) -> dict[str, Any]:
+async def _ask(member: dict[str, Any], timeout: float, credentials: Security) -> dict[str, Any]:
     """``member`` with its ``health`` and ``status`` (or ``error``) from its own server."""
     answer = dict(member, health="NOT JOINED", status=None, error="")
     if not member["address"]:
         return answer
-    async with grpc.aio.insecure_channel(member["address"]) as channel:
+    async with credentials.channel(member["address"]) as channel:
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout
             )
             answer["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
             info: status_pb2.DebugInfoResponse = await status_pb2_grpc.StatusStub(channel).DebugInfo(
-                status_pb2.DebugInfoRequest(), timeout=timeout
+                status_pb2.DebugInfoRequest(), timeout=timeout, metadata=credentials.metadata()
             )
         except grpc.aio.AioRpcError as exc:
             answer["health"] = "UNREACHABLE" if answer["health"] == "NOT JOINED" else answer["health"]
@@ -103,11 +113,13 @@ async def _ask(member: dict[str, Any], timeout: float) -> dict[str, Any]:
     return answer
 
 
-async def collect(store_address: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+async def collect(
+    store_address: str, timeout: float = 5.0, credentials: Security | None = None
+) -> list[dict[str, Any]]:
     """Every member of the group at ``store_address`` with its health and status (asked all
-    at once, each within ``timeout`` seconds)."""
-    found = await members(store_address, timeout)
-    return list(await asyncio.gather(*(_ask(member, timeout) for member in found)))
+    at once, each within ``timeout`` seconds), with ``credentials`` (see :func:`members`)."""
+    found, reached_with = await members(store_address, timeout, credentials)
+    return list(await asyncio.gather(*(_ask(member, timeout, reached_with) for member in found)))
 
 
 def _format(store_address: str, report: list[dict[str, Any]]) -> str:
@@ -160,6 +172,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds for the store and each worker to answer (default: 5)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    security.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -167,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rpcdist-status`` console script."""
     args = parse_args(argv)
     try:
-        report = asyncio.run(collect(args.store, args.timeout))
+        report = asyncio.run(collect(args.store, args.timeout, security.from_arguments(args)))
     except (StoreError, ValueError) as exc:
         print(f"rpcdist-status: error: {exc}", file=sys.stderr)
         return 1
