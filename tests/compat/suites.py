@@ -23,6 +23,7 @@ SUITES: list[str] = [
     "torch.testing._internal.distributed.rpc.examples.reinforcement_learning_rpc_test:ReinforcementLearningRpcTest",
     "torch.testing._internal.distributed.rpc.dist_autograd_test:DistAutogradTest",
     "torch.testing._internal.distributed.rpc.dist_autograd_test:TensorPipeAgentDistAutogradTest",
+    "torch.testing._internal.distributed.rpc.rpc_test:RpcTest",
 ]
 
 
