@@ -15,12 +15,18 @@ if TYPE_CHECKING:
 
 _agent: Agent | None = None
 
+# torch's wording ("Current RPC agent is not set! ..."), which torch users match.
+NOT_INITIALIZED = (
+    "Current RPC agent is not set! Did you initialize the RPC framework "
+    "(e.g. by calling rpcdist.rpc.init_rpc(...))?"
+)
+
 
 def current_agent() -> Agent:
     """This process's RPC agent; RpcError if RPC is not initialized."""
     agent = _agent
     if agent is None:
-        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+        raise RpcError(NOT_INITIALIZED)
     return agent
 
 

@@ -33,7 +33,10 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
+
 from rpcdist import serialization
+from rpcdist.agent.current import NOT_INITIALIZED
 from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
@@ -77,7 +80,7 @@ def release_all_users() -> None:
 def _context() -> RRefContext:
     context = _current
     if context is None:
-        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+        raise RpcError(NOT_INITIALIZED)
     return context
 
 
@@ -410,6 +413,26 @@ class RRef(Generic[T]):
         """The value, copied from the owner; raises the creating call's error if it failed."""
         return self.to_here_async(timeout).wait()
 
+    # -- autograd --------------------------------------------------------------------------------
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run the backward pass from the tensor this RRef holds, on its owner.
+
+        With ``dist_autograd_ctx_id`` it is a distributed backward pass in that context
+        (``rpcdist.autograd.backward(ctx, [value])``); without it (owners only) local autograd
+        (``torch.autograd.backward(value)``). The value must be a tensor (a scalar without
+        explicit gradients).
+        """
+        if self.is_owner():
+            _backward_value(self.local_value(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError(  # torch's wording
+                "User RRefs require 'dist_autograd_ctx_id' to be specified: the backward pass of "
+                f"an RRef owned by {self._owner.name} runs there, in a distributed autograd context"
+            )
+        call_args = (self, dist_autograd_ctx_id, retain_graph)
+        _agent().submit(self._owner, _backward_owned, call_args, None, -1.0).wait()
+
     # -- proxies ---------------------------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner and waits."""
@@ -526,6 +549,27 @@ def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: di
     return _when_owned(
         rref._id, lambda value: agent.start_user_function(getattr(value, method), args, kwargs)
     )
+
+
+@inline
+def _backward_owned(rref: RRef[Any], context_id: int, retain_graph: bool) -> Any:
+    """On the owner: :meth:`RRef.backward` of the value, run as calls are run."""
+    agent = _agent()
+    return _when_owned(
+        rref._id,
+        lambda value: agent.start_user_function(_backward_value, (value, context_id, retain_graph), {}),
+    )
+
+
+def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"RRef should contain a tensor for .backward(), not {type(value).__name__}")
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+    else:
+        import rpcdist.autograd  # (rpcdist.autograd builds on this module's agent layer)
+
+        rpcdist.autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
 @inline
