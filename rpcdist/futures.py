@@ -344,11 +344,41 @@ def _callback_error(exc: BaseException) -> BaseException:
     return wrapped.with_traceback(exc.__traceback__)
 
 
-def _torch_sides(futures: Any) -> Any:
+def _failure_of(fut: torch.futures.Future[Any]) -> BaseException | None:
+    """The exception of a completed future (rpcdist's or torch's), None if it succeeded."""
+    if isinstance(fut, Future):
+        return fut.exception()
+    try:
+        fut.value()
+    except Exception as exc:  # noqa: BLE001 - torch's future holds it
+        return exc
+    return None
+
+
+def _collect_all_failing_early(futures: list[Any]) -> Future[list[Any]]:
+    """``torch._C._collect_all`` for lists with rpcdist futures: complete with the list once
+    all are complete, or with the first failure as soon as it happens (as torch's does, so
+    ``torch.futures.wait_all`` raises it without waiting for the others)."""
+    combined: Future[list[Any]] = Future()
+    if not futures:
+        combined.set_result([])
+        return combined
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(fut: Any) -> None:
+        failure = _failure_of(fut)
+        if failure is not None:
+            combined._try_complete(None, failure)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            combined._try_complete(futures, None)
+
     for fut in futures:
-        if isinstance(fut, Future):
-            fut.torch_future()
-    return futures
+        fut.add_done_callback(one_done)
+    return combined
 
 
 def _install_torch_hooks() -> None:
@@ -362,7 +392,10 @@ def _install_torch_hooks() -> None:
     collect_all_c, wait_c = torch._C._collect_all, torch._C.wait
 
     def collect_all_hook(futures: Any) -> Any:
-        return collect_all_c(_torch_sides(futures))
+        futures = list(futures)
+        if any(isinstance(fut, Future) for fut in futures):
+            return _collect_all_failing_early(futures).torch_future()  # C++ may read it too
+        return collect_all_c(futures)
 
     def wait_hook(future: Any) -> Any:
         if isinstance(future, Future):

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 _agent: Agent | None = None
 
-# torch's wording ("Current RPC agent is not set! ..."), which torch users match.
-NOT_INITIALIZED = (
+# torch's wordings, which torch users match: of an RPC call, and of an RRef made or used.
+NOT_INITIALIZED = "RPC has not been initialized. Call rpcdist.rpc.init_rpc(...) first."
+NO_AGENT_FOR_RREF = (
     "Current RPC agent is not set! Did you initialize the RPC framework "
     "(e.g. by calling rpcdist.rpc.init_rpc(...))?"
 )

@@ -66,6 +66,18 @@ def _install(agent: Agent | None) -> None:
     set_current_agent(agent)
 
 
+def _check_init_arguments(backend: Any, options: Any) -> None:
+    """TypeErrors for arguments of the wrong kind, in torch's words (which its users match)."""
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError(f"Argument backend must be a member of BackendType, not {backend!r}")
+    if options is not None and not isinstance(options, RpcBackendOptions):
+        kind = type(options).__name__
+        raise TypeError(f"Argument rpc_backend_options must be an instance of RpcBackendOptions, not {kind}")
+    if backend is None and options is not None and type(options) is not RpcBackendOptions:
+        # a subclass of someone else's: its backend is not rpcdist's to guess
+        raise TypeError(f"Could not infer backend for options {type(options).__name__}: pass backend=")
+
+
 async def init_rpc_async(
     name: str,
     backend: BackendType | None = None,
@@ -74,6 +86,7 @@ async def init_rpc_async(
     rpc_backend_options: RpcBackendOptions | None = None,
 ) -> None:
     """Join the group as ``name``; everything runs on the calling event loop."""
+    _check_init_arguments(backend, rpc_backend_options)
     if _agent is not None:
         raise RpcError(f"RPC is already initialized in this process (as {_agent.info.name})")
     options = rpc_backend_options or RpcBackendOptions()

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from rpcdist import serialization
-from rpcdist.agent.current import NOT_INITIALIZED
+from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
@@ -80,7 +80,7 @@ def release_all_users() -> None:
 def _context() -> RRefContext:
     context = _current
     if context is None:
-        raise RpcError(NOT_INITIALIZED)
+        raise RpcError(NO_AGENT_FOR_RREF)
     return context
 
 
@@ -357,6 +357,11 @@ class RRef(Generic[T]):
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
         """A Future of the value, copied from the owner (on the owner: the value itself);
         awaitable, or ``wait()`` on it."""
+        if self._released:  # torch's wording
+            raise RpcError(
+                f"User RRef owned by {self._owner.name} was released (at shutdown): "
+                "Cannot call to_here() on it after deletion."
+            )
         agent = _agent()
         created = self._confirmed
         if created is not None and created.done() and created.exception() is not None:
