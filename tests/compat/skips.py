@@ -90,6 +90,130 @@ def _autograd_skips(suite: str, suffix: str) -> dict[str, Skip]:
     return {f"{suite}.{test}": skip for test, skip in entries.items()}
 
 
+_SET_TIMEOUT_RPC = "sets the default timeout through the private rpc._set_rpc_timeout()"
+_AGENT_HOOK = (
+    "reaches torch's agent object through the private rpc.api._get_current_rpc_agent() "
+    "(its get_worker_infos()/get_debug_info()); rpcdist's public counterparts are "
+    "rpc.get_worker_infos()/get_all_worker_infos() and rpc.debug_info()"
+)
+_BARRIER = "the private rpc.api._barrier(names) with _get_current_rpc_agent()"
+_WAIT_ALL = "the private context manager rpc.api._wait_all() (the public torch.futures.wait_all is tested)"
+_WAIT_ALL_WORKERS = (
+    "calls the private rpc.api._wait_all_workers(); its public behaviour, a graceful "
+    "shutdown waiting for every worker, is rpcdist's shutdown(graceful=True)"
+)
+_RREF_TYPE = "the private RRef._get_type(timeout, blocking) and its internal fetch counters"
+_RREF_FUTURE = "the private RRef._get_future() (torch's C++ creation future)"
+_PROFILING_FUTURE = "the private RRef._get_profiling_future() (torch's C++ profiling future of an RRef)"
+_PROFILING_KEY = "builds its expected event names with torch's private rpc.internal._build_rpc_profiling_key"
+_RREF_LEAK = (
+    "mocks the private rpc.api._delete_all_user_and_unforked_owner_rrefs and sets the private "
+    "api._ignore_rref_leak flag"
+)
+_IDS = "matches torch's internal RRef/fork GloballyUniqueId(created_on, local_id) counters in the text"
+
+
+def _rpc_test_skips() -> dict[str, Skip]:
+    """The entries of rpc_test.RpcTest."""
+    entries = {
+        "test_all_gather": Skip(
+            TORCH_PRIVATE, "the private rpc.api._all_gather() and _get_current_rpc_agent()"
+        ),
+        "test_all_gather_timeout": Skip(
+            TORCH_PRIVATE, "the private rpc.api._all_gather() and _set_rpc_timeout()"
+        ),
+        "test_build_rpc_profiling_key": Skip(TORCH_PRIVATE, _PROFILING_KEY),
+        "test_debug_info": Skip(
+            TORCH_PRIVATE,
+            "compares the keys of the private _get_debug_info(), "
+            "_rref_context_get_debug_info() and dist_autograd._get_debug_info() counters",
+        ),
+        "test_default_timeout_used": Skip(TORCH_PRIVATE, _SET_TIMEOUT_RPC),
+        "test_handle_send_exceptions": Skip(TORCH_PRIVATE, _SET_TIMEOUT_RPC),
+        "test_rpc_timeouts": Skip(TORCH_PRIVATE, _SET_TIMEOUT_RPC),
+        "test_disable_gil_profiling": Skip(TORCH_PRIVATE, _AGENT_HOOK + " (a GIL wait counter)"),
+        "test_get_worker_infos": Skip(TORCH_PRIVATE, _AGENT_HOOK),
+        "test_duplicate_name": Skip(TORCH_PRIVATE, "the private rpc._init_rpc_backend() on a raw store"),
+        "test_register_rpc_backend_and_set_and_start_rpc_backend": Skip(
+            TORCH_PRIVATE,
+            "registers a backend in torch's backend_registry and calls the private "
+            "rpc.api._set_and_start_rpc_agent()",
+        ),
+        **{
+            f"test_rpc_barrier_{kind}": Skip(TORCH_PRIVATE, _BARRIER)
+            for kind in ("all", "multithreaded", "partial_subset", "subset")
+        },
+        "test_rref_context_debug_info": Skip(
+            TORCH_PRIVATE, "the private _rref_context_get_debug_info() counters"
+        ),
+        "test_rref_get_future": Skip(TORCH_PRIVATE, _RREF_FUTURE),
+        "test_rref_timeout": Skip(TORCH_PRIVATE, _RREF_FUTURE),
+        **{
+            f"test_rref_type_{kind}": Skip(TORCH_PRIVATE, _RREF_TYPE)
+            for kind in (
+                "blocking",
+                "non_blocking",
+                "owner_blocking",
+                "owner_non_blocking",
+                "slow_init",
+                "with_error_blocking",
+                "with_error_non_blocking",
+            )
+        },
+        "test_server_process_global_profiler": Skip(
+            TORCH_PRIVATE, "the private rpc._server_process_global_profile (torch's server-side profiler)"
+        ),
+        "test_shutdown_errors": Skip(
+            TORCH_PRIVATE,
+            "mocks the private rpc.api._broadcast_to_followers and "
+            "_delete_all_user_and_unforked_owner_rrefs to inject shutdown failures",
+        ),
+        "test_use_rpc_pickler": Skip(
+            TORCH_PRIVATE, "the private rpc.api._use_rpc_pickler/_internal_rpc_pickler"
+        ),
+        "test_py_nested_pickle": Skip(
+            TORCH_PRIVATE,
+            "its argument pickles itself with torch's private rpc.internal._internal_rpc_pickler",
+        ),
+        "test_ignore_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
+        "test_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
+        **{
+            f"test_wait_all{kind}": Skip(TORCH_PRIVATE, _WAIT_ALL)
+            for kind in ("", "_multiple_call", "_raise_in_body", "_raise_in_user_func", "_timeout")
+        },
+        **{
+            f"test_wait_all_workers_{kind}": Skip(TORCH_PRIVATE, _WAIT_ALL_WORKERS)
+            for kind in ("dense", "timeout", "twice_dense")
+        },
+        "test_local_value_not_on_owner": Skip(TORCH_PRIVATE, _IDS),
+        "test_rref_str": Skip(TORCH_PRIVATE, _IDS),
+        "test_profiler_remote_events_profiled": Skip(TORCH_PRIVATE, _PROFILING_KEY),
+        "test_profiler_remote_events_profiled_single_threaded": Skip(TORCH_PRIVATE, _PROFILING_KEY),
+        **{
+            f"test_profiler_with_remote_{kind}": Skip(TORCH_PRIVATE, _PROFILING_FUTURE)
+            for kind in ("builtin", "builtin_single_threaded", "udf", "udf_single_threaded")
+        },
+        # TorchScript functions over RPC
+        **{
+            f"test_profiler_with_script_{kind}": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL)
+            for kind in (
+                "async_rpc",
+                "async_rpc_single_threaded",
+                "remote_rpc",
+                "remote_rpc_single_threaded",
+                "sync_rpc",
+                "sync_rpc_single_threaded",
+            )
+        },
+        "test_rpc_profiling_async_function": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_rpc_profiling_async_function_single_threaded": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_stress_heavy_rpc_torchscript": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_wait_all_exit_early_script_function": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_async_record_function_cbs_jit_call": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+    }
+    return {f"RpcTest.{test}": skip for test, skip in entries.items()}
+
+
 SKIPS: dict[str, Skip] = {
     # --- torch/testing/_internal/distributed/nn/api/remote_module_test.py
     "RemoteModuleTest.test_forward_async": Skip(
@@ -125,6 +249,8 @@ SKIPS: dict[str, Skip] = {
     "DistAutogradTest.test_backward_node_failure": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
     "DistAutogradTest.test_backward_node_failure_python_udf": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
     "DistAutogradTest.test_trainer_ps_torchscript_functions": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+    # --- torch/testing/_internal/distributed/rpc/rpc_test.py
+    **_rpc_test_skips(),
 }
 
 
@@ -153,6 +279,28 @@ _HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetchi
 
 # "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
 KNOWN_FAILURES: dict[str, KnownFailure] = {
+    # --- torch/testing/_internal/distributed/rpc/rpc_test.py
+    "RpcTest.test_non_cont_tensors": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "a non-contiguous view arrives contiguous (rpcdist sends tensors as "
+        "contiguous raw buffers; torch keeps the view's strides)"
+    ),
+    "RpcTest.test_user_rrefs_confirmed": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "a forked user RRef is confirmed_by_owner() only once the owner has "
+        "registered it; torch runs the call only after that confirmation"
+    ),
+    "RpcTest.test_user_rrefs_confirmed_remote": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "as test_user_rrefs_confirmed, through rpc.remote"
+    ),
+    "RpcTest.test_profiler_export_trace": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
+        "exported Chrome trace lacks the remote ops"
+    ),
+    "RpcTest.test_profiler_with_async_rpc_udf": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile"
+    ),
+    "RpcTest.test_profiler_with_async_rpc_udf_single_threaded": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile"
+    ),
     # --- torch/testing/_internal/distributed/rpc/dist_autograd_test.py
     "DistAutogradTest.test_async_dist_autograd": KnownFailure(
         KNOWN_FAILURE_PREFIX + "40 threads of 2 workers each running rpc_sync + backward on worker0 "
