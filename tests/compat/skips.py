@@ -187,6 +187,11 @@ def _rpc_test_skips() -> dict[str, Skip]:
         },
         "test_local_value_not_on_owner": Skip(TORCH_PRIVATE, _IDS),
         "test_rref_str": Skip(TORCH_PRIVATE, _IDS),
+        "test_use_rref_after_shutdown": Skip(
+            TORCH_PRIVATE,
+            "after to_here() (which passes), pickles the RRef with torch's internal "
+            "rpc.internal.serialize (its C++ RPC pickler)",
+        ),
         "test_profiler_remote_events_profiled": Skip(TORCH_PRIVATE, _PROFILING_KEY),
         "test_profiler_remote_events_profiled_single_threaded": Skip(TORCH_PRIVATE, _PROFILING_KEY),
         **{
@@ -290,6 +295,32 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
     ),
     "RpcTest.test_user_rrefs_confirmed_remote": KnownFailure(
         KNOWN_FAILURE_PREFIX + "as test_user_rrefs_confirmed, through rpc.remote"
+    ),
+    "RpcTest.test_init_pg_then_rpc": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "a gloo group and RPC rendezvous on one file:// file: rpcdist's "
+        "FileStore has its own file format, so it cannot share torch's FileStore file"
+    ),
+    "RpcTest.test_init_rpc_then_pg": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "as test_init_pg_then_rpc (RPC first, then gloo on the same file: hangs)",
+        _HANG_TIMEOUT,
+    ),
+    "RpcTest.test_duplicate_name_2": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "only the worker whose name is taken fails at once ('is not unique'); "
+        "torch gathers every name and fails every worker, rpcdist's others wait for it (hangs)",
+        _HANG_TIMEOUT,
+    ),
+    "RpcTest.test_nested_rref_stress": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "20 nested RRef round trips between 4 workers do not finish "
+        "(hangs; not yet diagnosed)",
+        _HANG_TIMEOUT,
+    ),
+    "RpcTest.test_py_raise_in_user_func": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee does not print a user function's exception to its stderr "
+        "(rpcdist sends it to the caller only)"
+    ),
+    "RpcTest.test_rref_proxy_non_exist": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "rref.remote().non_exist() raises AttributeError only on the owner; "
+        "torch fetches the value's type first and raises it at the caller at once"
     ),
     "RpcTest.test_profiler_export_trace": KnownFailure(
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
