@@ -287,6 +287,9 @@ class Callee:
     def _respond_error(
         self, session: InboundSession, call_id: int, function: str, exc: BaseException, loading: bool = False
     ) -> None:
+        if not isinstance(exc, asyncio.CancelledError):  # (a cancel is the caller's own doing)
+            # As torch's callee, which logs every failed request: the callee's log shows it too.
+            log.warning("%s: %s failed: %s: %s", self.agent.info.name, function, type(exc).__name__, exc)
         payload, buffers = describe_error(self.agent.info.name, function, exc, loading)
         session.respond(frames.encode_message(call_id, frames.ERROR, payload, buffers))
 

@@ -314,10 +314,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         "(hangs; not yet diagnosed)",
         _HANG_TIMEOUT,
     ),
-    "RpcTest.test_py_raise_in_user_func": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "the callee does not print a user function's exception to its stderr "
-        "(rpcdist sends it to the caller only)"
-    ),
     "RpcTest.test_rref_proxy_non_exist": KnownFailure(
         KNOWN_FAILURE_PREFIX + "rref.remote().non_exist() raises AttributeError only on the owner; "
         "torch fetches the value's type first and raises it at the caller at once"
