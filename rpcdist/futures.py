@@ -317,6 +317,21 @@ def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_callback_pool.cache_clear)  # a child has none of its threads
 
 
+def stop_callback_threads(timeout: float | None = None) -> None:
+    """End the threads that run ``then`` callbacks (RPC shutdown calls it; they are made again
+    on next use). ``timeout``: seconds to wait for running callbacks (None: do not wait)."""
+    if not _callback_pool.cache_info().currsize:
+        return
+    pool = _callback_pool()
+    _callback_pool.cache_clear()
+    if timeout is None:
+        pool.shutdown(wait=False)
+        return
+    stopper = threading.Thread(target=pool.shutdown, name="then-callbacks-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout)
+
+
 _CALLBACK_ERROR = "Got the following error when running the callback: "
 
 

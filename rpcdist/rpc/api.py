@@ -30,7 +30,7 @@ from rpcdist.agent.options import (
 )
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
-from rpcdist.futures import Future
+from rpcdist.futures import Future, stop_callback_threads
 from rpcdist.rpc import elastic, profiling
 from rpcdist.rpc import rref as rrefs
 from rpcdist.rpc.profiling import function_name, profiled, profiling_key
@@ -244,6 +244,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         rrefs.detach()
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
+        stop_callback_threads()
         gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
 
 
@@ -266,6 +267,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         try:
             call_blocking(loop, shutdown_async(graceful, timeout))
         finally:
+            stop_callback_threads(timeout=5.0)  # their callbacks' RPCs have all ended by now
             if _owns_loop:
                 _owns_loop = False
                 release_loop(loop)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from rpcdist import serialization
+from rpcdist._runtime import current_loop
 from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
@@ -491,12 +492,29 @@ class _Proxy:
             agent = _agent()
             call_args = (rref, method, args, kwargs)
             if mode == "remote":
+                _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
             future = agent.submit(rref.owner(), _call_method, call_args, None, timeout)
             return future.wait() if mode == "sync" else future
 
         call.__name__ = method
         return call
+
+
+def _check_attribute(agent: Agent, rref: RRef[Any], method: str, timeout: float) -> None:
+    """As torch's ``rref.remote().method``: a method the value lacks is an AttributeError at
+    once, here (not an RRef whose ``to_here()`` fails later). Asks the owner once per method."""
+    known: set[str] | None = getattr(rref, "_known_attributes", None)
+    if (known is not None and method in known) or current_loop() is agent.loop:
+        return  # (on the loop it cannot wait for the owner: the RRef's to_here() raises it)
+    if rref.is_owner():
+        present = hasattr(rref.local_value(), method)
+    else:
+        present = agent.submit(rref.owner(), _has_attribute, (rref, method), None, timeout).wait()
+    if not present:
+        owner = rref.owner_name()
+        raise AttributeError(f"the value of the RRef owned by {owner} has no attribute '{method}'")
+    rref._known_attributes = (known or set()) | {method}  # type: ignore[attr-defined]
 
 
 # -- the messages (each runs on the receiving worker's loop, in arrival order) ----------------------
@@ -545,6 +563,12 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
 def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
     return _when_owned(rref_id, lambda value: value)
+
+
+@inline
+def _has_attribute(rref: RRef[Any], name: str) -> Any:
+    """On the owner: whether the value has attribute ``name``."""
+    return _when_owned(rref._id, lambda value: hasattr(value, name))
 
 
 @inline

@@ -314,10 +314,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         "(hangs; not yet diagnosed)",
         _HANG_TIMEOUT,
     ),
-    "RpcTest.test_rref_proxy_non_exist": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "rref.remote().non_exist() raises AttributeError only on the owner; "
-        "torch fetches the value's type first and raises it at the caller at once"
-    ),
     "RpcTest.test_profiler_export_trace": KnownFailure(
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
         "exported Chrome trace lacks the remote ops"
