@@ -338,7 +338,15 @@ _CALLBACK_ERROR = "Got the following error when running the callback: "
 @functools.cache
 def _callback_error_type(kind: type[Exception]) -> type[Exception]:
     """``kind`` that is also a RuntimeError (see :func:`_callback_error`)."""
-    return type(kind.__name__, (kind, RuntimeError), {"__module__": kind.__module__})
+    def __reduce__(self: BaseException) -> Any:  # by its original type: it pickles (over RPC too)
+        return _rebuild_callback_error, (kind, str(self))
+
+    namespace = {"__module__": kind.__module__, "__reduce__": __reduce__}
+    return type(kind.__name__, (kind, RuntimeError), namespace)
+
+
+def _rebuild_callback_error(kind: type[Exception], message: str) -> BaseException:
+    return _callback_error_type(kind)(message)
 
 
 def _callback_error(exc: BaseException) -> BaseException:
