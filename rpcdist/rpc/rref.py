@@ -358,7 +358,7 @@ class RRef(Generic[T]):
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
         """A Future of the value, copied from the owner (on the owner: the value itself);
         awaitable, or ``wait()`` on it."""
-        if self._released:  # torch's wording
+        if self._released and _current is None:  # used after shutdown (torch's wording)
             raise RpcError(
                 f"User RRef owned by {self._owner.name} was released (at shutdown): "
                 "Cannot call to_here() on it after deletion."
