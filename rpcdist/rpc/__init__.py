@@ -8,8 +8,9 @@ rpc.shutdown()
 
 from rpcdist.errors import RemoteError, RpcError, RpcTimeoutError
 from rpcdist.futures import Future
-from rpcdist.rpc import functions
+from rpcdist.rpc import constants, functions
 from rpcdist.rpc.api import (
+    _set_rpc_timeout,  # noqa: F401 - torch's private setter, which torch users call
     backend_registered,
     construct_rpc_backend_options,
     get_all_worker_infos,
@@ -39,6 +40,7 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "backend_registered",
+    "constants",
     "construct_rpc_backend_options",
     "get_rpc_timeout",
     "is_available",

@@ -8,12 +8,13 @@ runs it on the caller's own loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -284,7 +285,35 @@ def rpc_async(
 
     ``timeout`` in seconds: -1 uses the default ``rpc_timeout``, 0 waits without limit.
     """
-    return _call("async", to, func, args, kwargs, timeout)
+    future = _call("async", to, func, args, kwargs, timeout)
+    collecting = getattr(_thread_local_var, "future_list", None)
+    if collecting is not None:  # inside _wait_all()
+        collecting.append(future)
+    return future
+
+
+# torch's private helpers that torch users (and torch's tests) reach for; thin forms of public
+# behaviour: the default timeout, and waiting for every rpc_async of a block.
+_thread_local_var = threading.local()
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Set the default timeout (seconds; 0: none) of the calls made from now on."""
+    current_agent().options.rpc_timeout = float(rpc_timeout)
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    """Within: every ``rpc_async`` of this thread is collected; on exit, wait for them all
+    (``torch.futures.wait_all``: the first failure is raised)."""
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
 
 
 def _call(

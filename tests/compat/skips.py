@@ -58,7 +58,6 @@ _CLEANUP = (
     "checks that a context is gone on every worker by polling the private "
     "dist_autograd._retrieve_context(id) until it raises"
 )
-_SET_TIMEOUT = "sets the default timeout through the private rpc._set_rpc_timeout()"
 _JIT_CALL = "calls a @torch.jit.script function over RPC (torch's C++ TorchScript RPC path)"
 
 
@@ -90,14 +89,12 @@ def _autograd_skips(suite: str, suffix: str) -> dict[str, Skip]:
     return {f"{suite}.{test}": skip for test, skip in entries.items()}
 
 
-_SET_TIMEOUT_RPC = "sets the default timeout through the private rpc._set_rpc_timeout()"
 _AGENT_HOOK = (
     "reaches torch's agent object through the private rpc.api._get_current_rpc_agent() "
     "(its get_worker_infos()/get_debug_info()); rpcdist's public counterparts are "
     "rpc.get_worker_infos()/get_all_worker_infos() and rpc.debug_info()"
 )
 _BARRIER = "the private rpc.api._barrier(names) with _get_current_rpc_agent()"
-_WAIT_ALL = "the private context manager rpc.api._wait_all() (the public torch.futures.wait_all is tested)"
 _WAIT_ALL_WORKERS = (
     "calls the private rpc.api._wait_all_workers(); its public behaviour, a graceful "
     "shutdown waiting for every worker, is rpcdist's shutdown(graceful=True)"
@@ -128,9 +125,6 @@ def _rpc_test_skips() -> dict[str, Skip]:
             "compares the keys of the private _get_debug_info(), "
             "_rref_context_get_debug_info() and dist_autograd._get_debug_info() counters",
         ),
-        "test_default_timeout_used": Skip(TORCH_PRIVATE, _SET_TIMEOUT_RPC),
-        "test_handle_send_exceptions": Skip(TORCH_PRIVATE, _SET_TIMEOUT_RPC),
-        "test_rpc_timeouts": Skip(TORCH_PRIVATE, _SET_TIMEOUT_RPC),
         "test_disable_gil_profiling": Skip(TORCH_PRIVATE, _AGENT_HOOK + " (a GIL wait counter)"),
         "test_get_worker_infos": Skip(TORCH_PRIVATE, _AGENT_HOOK),
         "test_duplicate_name": Skip(TORCH_PRIVATE, "the private rpc._init_rpc_backend() on a raw store"),
@@ -177,10 +171,6 @@ def _rpc_test_skips() -> dict[str, Skip]:
         ),
         "test_ignore_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
         "test_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
-        **{
-            f"test_wait_all{kind}": Skip(TORCH_PRIVATE, _WAIT_ALL)
-            for kind in ("", "_multiple_call", "_raise_in_body", "_raise_in_user_func", "_timeout")
-        },
         **{
             f"test_wait_all_workers_{kind}": Skip(TORCH_PRIVATE, _WAIT_ALL_WORKERS)
             for kind in ("dense", "timeout", "twice_dense")
@@ -251,8 +241,6 @@ SKIPS: dict[str, Skip] = {
     "DistAutogradTest.test_clean_context_during_backward": Skip(
         TORCH_PRIVATE, "makes contexts with the private dist_autograd._new_context()/_release_context()"
     ),
-    "DistAutogradTest.test_backward_node_failure": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
-    "DistAutogradTest.test_backward_node_failure_python_udf": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
     "DistAutogradTest.test_trainer_ps_torchscript_functions": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
     # --- torch/testing/_internal/distributed/rpc/rpc_test.py
     **_rpc_test_skips(),
