@@ -419,6 +419,21 @@ class RRef(Generic[T]):
         """The value, copied from the owner; raises the creating call's error if it failed."""
         return self.to_here_async(timeout).wait()
 
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """torch's ``RRef._get_type``: the type of the value, asked of the owner once and then
+        kept; ``blocking=False`` gives a Future of it (the same one on every call)."""
+        known: Future[Any] | None = getattr(self, "_type_future", None)
+        if known is None:
+            if self.is_owner():
+                known = Future()
+                known.set_result(type(self.local_value()))
+            else:
+                from rpcdist.rpc import api  # (api builds on this module)
+
+                known = api.rpc_async(self._owner, _rref_typeof_on_owner, args=(self,), timeout=timeout)
+            self._type_future = known
+        return known.wait() if blocking else known
+
     # -- autograd --------------------------------------------------------------------------------
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Run the backward pass from the tensor this RRef holds, on its owner.
@@ -563,6 +578,12 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
 def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
     return _when_owned(rref_id, lambda value: value)
+
+
+@inline
+def _rref_typeof_on_owner(rref: RRef[Any]) -> Any:  # (torch's name: profiles show it)
+    """On the owner: the type of the value, once it exists."""
+    return _when_owned(rref._id, type)
 
 
 @inline

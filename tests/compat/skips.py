@@ -99,7 +99,6 @@ _WAIT_ALL_WORKERS = (
     "calls the private rpc.api._wait_all_workers(); its public behaviour, a graceful "
     "shutdown waiting for every worker, is rpcdist's shutdown(graceful=True)"
 )
-_RREF_TYPE = "the private RRef._get_type(timeout, blocking) and its internal fetch counters"
 _RREF_FUTURE = "the private RRef._get_future() (torch's C++ creation future)"
 _PROFILING_FUTURE = "the private RRef._get_profiling_future() (torch's C++ profiling future of an RRef)"
 _PROFILING_KEY = "builds its expected event names with torch's private rpc.internal._build_rpc_profiling_key"
@@ -142,18 +141,6 @@ def _rpc_test_skips() -> dict[str, Skip]:
         ),
         "test_rref_get_future": Skip(TORCH_PRIVATE, _RREF_FUTURE),
         "test_rref_timeout": Skip(TORCH_PRIVATE, _RREF_FUTURE),
-        **{
-            f"test_rref_type_{kind}": Skip(TORCH_PRIVATE, _RREF_TYPE)
-            for kind in (
-                "blocking",
-                "non_blocking",
-                "owner_blocking",
-                "owner_non_blocking",
-                "slow_init",
-                "with_error_blocking",
-                "with_error_non_blocking",
-            )
-        },
         "test_server_process_global_profiler": Skip(
             TORCH_PRIVATE, "the private rpc._server_process_global_profile (torch's server-side profiler)"
         ),
