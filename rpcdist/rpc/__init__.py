@@ -10,7 +10,8 @@ from rpcdist.errors import RemoteError, RpcError, RpcTimeoutError
 from rpcdist.futures import Future
 from rpcdist.rpc import constants, functions
 from rpcdist.rpc.api import (
-    _set_rpc_timeout,  # noqa: F401 - torch's private setter, which torch users call
+    _get_current_rpc_agent,  # noqa: F401 - torch's private helpers, which torch users call
+    _set_rpc_timeout,  # noqa: F401
     backend_registered,
     construct_rpc_backend_options,
     get_all_worker_infos,

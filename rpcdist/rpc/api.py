@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -300,6 +301,68 @@ _thread_local_var = threading.local()
 def _set_rpc_timeout(rpc_timeout: float) -> None:
     """Set the default timeout (seconds; 0: none) of the calls made from now on."""
     current_agent().options.rpc_timeout = float(rpc_timeout)
+
+
+_wait_all_workers_rounds = itertools.count()
+
+
+def _wait_all_workers(timeout: float = 0) -> None:
+    """Block until every worker has reached this call and this worker's outstanding calls have
+    ended (the first half of a graceful shutdown). ``timeout`` in seconds, 0: none."""
+    agent = current_agent()
+    name = f"wait_all_workers/{next(_wait_all_workers_rounds)}"
+    limit = timeout if timeout and timeout > 0 else None
+
+    async def wait() -> None:
+        await agent.wait_for_outstanding(limit)
+        store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
+        await rdv.barrier(store, name, agent.info.id, agent.world_size, limit, agent.find_dead)
+
+    call_blocking(agent.loop, wait())
+
+
+_barrier_rounds: dict[tuple[str, ...], itertools.count[int]] = {}
+_barrier_lock = threading.Lock()
+
+
+def _barrier(worker_names: list[str], timeout: float = -1.0) -> None:
+    """Block until every worker of ``worker_names`` has made its matching call (the n-th call
+    of each for one set of names meets the others' n-th). ``timeout`` in seconds: -1 the default
+    ``rpc_timeout``, 0 none."""
+    agent = current_agent()
+    names = tuple(sorted(set(worker_names)))
+    with _barrier_lock:
+        meeting = next(_barrier_rounds.setdefault(names, itertools.count()))
+    key = f"barrier/{','.join(names)}/{meeting}"
+    seconds = agent.options.rpc_timeout if timeout < 0 else timeout
+
+    async def wait() -> None:
+        store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
+        if await store.add_async(key, 1) == len(names):
+            await store.set_async(f"{key}/all", b"1")
+        await store.get_async(f"{key}/all", timeout=seconds if seconds > 0 else None)
+
+    call_blocking(agent.loop, wait())
+
+
+class _AgentView:
+    """What torch's private ``_get_current_rpc_agent()`` gives its users: the group's workers
+    and debug counters (rpcdist's public ``get_worker_info``/``get_all_worker_infos``/``debug_info``)."""
+
+    def get_worker_info(self, name: str | None = None) -> WorkerInfo:
+        return get_worker_info(name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return get_all_worker_infos()
+
+    def get_debug_info(self) -> dict[str, Any]:
+        return {f"rref.{key}": value for key, value in rrefs.debug_info().items()}
+
+
+def _get_current_rpc_agent() -> _AgentView:
+    """torch's private accessor of the running agent (the calls it offers: see _AgentView)."""
+    current_agent()  # raises if RPC is not initialized, as torch's
+    return _AgentView()
 
 
 @contextlib.contextmanager

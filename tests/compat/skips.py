@@ -89,16 +89,6 @@ def _autograd_skips(suite: str, suffix: str) -> dict[str, Skip]:
     return {f"{suite}.{test}": skip for test, skip in entries.items()}
 
 
-_AGENT_HOOK = (
-    "reaches torch's agent object through the private rpc.api._get_current_rpc_agent() "
-    "(its get_worker_infos()/get_debug_info()); rpcdist's public counterparts are "
-    "rpc.get_worker_infos()/get_all_worker_infos() and rpc.debug_info()"
-)
-_BARRIER = "the private rpc.api._barrier(names) with _get_current_rpc_agent()"
-_WAIT_ALL_WORKERS = (
-    "calls the private rpc.api._wait_all_workers(); its public behaviour, a graceful "
-    "shutdown waiting for every worker, is rpcdist's shutdown(graceful=True)"
-)
 _RREF_FUTURE = "the private RRef._get_future() (torch's C++ creation future)"
 _PROFILING_FUTURE = "the private RRef._get_profiling_future() (torch's C++ profiling future of an RRef)"
 _PROFILING_KEY = "builds its expected event names with torch's private rpc.internal._build_rpc_profiling_key"
@@ -124,18 +114,16 @@ def _rpc_test_skips() -> dict[str, Skip]:
             "compares the keys of the private _get_debug_info(), "
             "_rref_context_get_debug_info() and dist_autograd._get_debug_info() counters",
         ),
-        "test_disable_gil_profiling": Skip(TORCH_PRIVATE, _AGENT_HOOK + " (a GIL wait counter)"),
-        "test_get_worker_infos": Skip(TORCH_PRIVATE, _AGENT_HOOK),
+        "test_disable_gil_profiling": Skip(
+            TORCH_PRIVATE,
+            "reads a GIL wait counter of torch's agent (get_debug_info()['agent.gil_average_wait_time_us'])",
+        ),
         "test_duplicate_name": Skip(TORCH_PRIVATE, "the private rpc._init_rpc_backend() on a raw store"),
         "test_register_rpc_backend_and_set_and_start_rpc_backend": Skip(
             TORCH_PRIVATE,
             "registers a backend in torch's backend_registry and calls the private "
             "rpc.api._set_and_start_rpc_agent()",
         ),
-        **{
-            f"test_rpc_barrier_{kind}": Skip(TORCH_PRIVATE, _BARRIER)
-            for kind in ("all", "multithreaded", "partial_subset", "subset")
-        },
         "test_rref_context_debug_info": Skip(
             TORCH_PRIVATE, "the private _rref_context_get_debug_info() counters"
         ),
@@ -158,10 +146,9 @@ def _rpc_test_skips() -> dict[str, Skip]:
         ),
         "test_ignore_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
         "test_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
-        **{
-            f"test_wait_all_workers_{kind}": Skip(TORCH_PRIVATE, _WAIT_ALL_WORKERS)
-            for kind in ("dense", "timeout", "twice_dense")
-        },
+        "test_wait_all_workers_timeout": Skip(
+            TORCH_PRIVATE, "mocks the private rpc.api._all_gather to make rpc.api._wait_all_workers time out"
+        ),
         "test_local_value_not_on_owner": Skip(TORCH_PRIVATE, _IDS),
         "test_rref_str": Skip(TORCH_PRIVATE, _IDS),
         "test_use_rref_after_shutdown": Skip(
