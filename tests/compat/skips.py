@@ -292,15 +292,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         "deadlock (not yet diagnosed; likely worker0's pool threads all waiting in backward passes)",
         _HANG_TIMEOUT,
     ),
-    "DistAutogradTest.test_grad_only_on_return_value": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "backward through an RPC that returns a remote leaf tensor as-is "
-        "(ret_requires_grad) does not complete (hangs; not yet diagnosed)",
-        _HANG_TIMEOUT,
-    ),
-    "DistAutogradTest.test_grad_only_on_return_value_remote": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "as test_grad_only_on_return_value, through rpc.remote(...).to_here()",
-        _HANG_TIMEOUT,
-    ),
     "DistAutogradTest.test_backward_unused_send_function": KnownFailure(
         KNOWN_FAILURE_PREFIX + "torch's FAST-mode backward never completes when an RPC's result is "
         "unused, and the test asserts that hang; rpcdist's backward completes"
@@ -308,11 +299,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
     "DistAutogradTest.test_dist_autograd_profiling": KnownFailure(
         KNOWN_FAILURE_PREFIX + "profiler events named SendRpcBackward / RecvRpcBackward / "
         "torch::distributed::autograd::backward for a distributed backward pass"
-    ),
-    "DistAutogradTest.test_multiple_backward_with_errors": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "100 retain_graph backward passes over a remote UDF whose backward "
-        "fails for the first 50 do not all complete (hangs; not yet diagnosed)",
-        _HANG_TIMEOUT,
     ),
     "DistAutogradTest.test_no_grad_copy": KnownFailure(_GRAD_STEALING),
     "DistAutogradTest.test_no_grad_copy_sparse": KnownFailure(_GRAD_STEALING),
