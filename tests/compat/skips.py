@@ -276,6 +276,12 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         "(hangs; not yet diagnosed)",
         _HANG_TIMEOUT,
     ),
+    "RpcTest.test_rref_forward_chain": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "intermittent (failed in 2 of 4 runs under load, passes alone): one "
+        "to_here() along the 8-deep chain of nested RRefs never completes (worker0 waits in "
+        "to_here, the others in shutdown); not yet diagnosed",
+        20,
+    ),
     "RpcTest.test_profiler_export_trace": KnownFailure(
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
         "exported Chrome trace lacks the remote ops"
