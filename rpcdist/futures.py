@@ -18,8 +18,11 @@ deadlocking; ``then`` returns an rpcdist Future (so it stays awaitable).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
+import functools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterable
@@ -100,7 +103,9 @@ class Future(torch.futures.Future[T]):
     """The eventual result of an asynchronous operation (a ``torch.futures.Future``).
 
     Completion may happen on any thread; callbacks run on the thread that completes it (at
-    once on the calling thread when added to a completed future).
+    once on the calling thread when added to a completed future). ``then`` callbacks of a future
+    that an rpcdist event loop completes run on a pool thread instead, so they may block, as in
+    torch.
 
     The outcome lives in Python; torch's (C++) side of the future is completed only for torch
     code that reads it there: ``torch.futures.collect_all``/``wait_all`` and ``torch.jit.wait``
@@ -254,19 +259,30 @@ class Future(torch.futures.Future[T]):
 
     def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
         """A new Future completed with ``callback(self)`` (or the exception it raises)."""
-        if not callable(callback):
-            raise TypeError(f"then() needs a callable, not {type(callback).__name__}")
+        if not callable(callback):  # (torch's wording: its pybind11 refusal)
+            raise TypeError(
+                f"then(): incompatible function arguments: needs a callable, not {type(callback).__name__}"
+            )
         chained: Future[S] = Future(loop=self._loop_hint)
 
         def run(fut: Future[T]) -> None:
             try:
                 outcome = callback(fut)
             except BaseException as exc:  # noqa: BLE001 - the chained future carries it
-                chained._try_complete(None, exc)
+                chained._try_complete(None, _callback_error(exc))
             else:
                 chained._try_complete(outcome, None)
 
-        self._on_done(run)
+        def run_off_loop(fut: Future[T]) -> None:
+            # A callback may block (torch users call wait() on another RPC in it, as torch runs
+            # callbacks on its pool threads): never on the rpcdist loop that completes RPCs.
+            loop = self._loop_hint
+            if loop is not None and _running_loop() is loop:
+                _callback_pool().submit(run, fut)
+            else:
+                run(fut)
+
+        self._on_done(run_off_loop)
         return chained
 
     # -- asyncio -----------------------------------------------------------------------------------
@@ -290,11 +306,102 @@ class Future(torch.futures.Future[T]):
         return f"<rpcdist.Future {state}>"
 
 
-def _torch_sides(futures: Any) -> Any:
+_CALLBACK_THREADS = 32  # threads for then() callbacks of futures completed on an rpcdist loop
+
+
+@functools.cache
+def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(_CALLBACK_THREADS, thread_name_prefix="rpcdist-then")
+
+
+os.register_at_fork(after_in_child=_callback_pool.cache_clear)  # a child has none of its threads
+
+
+def stop_callback_threads(timeout: float | None = None) -> None:
+    """End the threads that run ``then`` callbacks (RPC shutdown calls it; they are made again
+    on next use). ``timeout``: seconds to wait for running callbacks (None: do not wait)."""
+    if not _callback_pool.cache_info().currsize:
+        return
+    pool = _callback_pool()
+    _callback_pool.cache_clear()
+    if timeout is None:
+        pool.shutdown(wait=False)
+        return
+    stopper = threading.Thread(target=pool.shutdown, name="then-callbacks-stop", daemon=True)
+    stopper.start()
+    stopper.join(timeout)
+
+
+_CALLBACK_ERROR = "Got the following error when running the callback: "
+
+
+@functools.cache
+def _callback_error_type(kind: type[Exception]) -> type[Exception]:
+    """``kind`` that is also a RuntimeError (see :func:`_callback_error`)."""
+    def __reduce__(self: BaseException) -> Any:  # by its original type: it pickles (over RPC too)
+        return _rebuild_callback_error, (kind, str(self))
+
+    namespace = {"__module__": kind.__module__, "__reduce__": __reduce__}
+    return type(kind.__name__, (kind, RuntimeError), namespace)
+
+
+def _rebuild_callback_error(kind: type[Exception], message: str) -> BaseException:
+    return _callback_error_type(kind)(message)
+
+
+def _callback_error(exc: BaseException) -> BaseException:
+    """What a chained future holds when its ``then`` callback raised ``exc``.
+
+    torch raises every callback error as a RuntimeError ("Got the following error when running
+    the callback: TypeError: ..."), and torch users catch that; rpcdist keeps the original type
+    too, so ``except TypeError`` works as well. RuntimeErrors (rpcdist's errors) stay as they are.
+    """
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    message = f"{_CALLBACK_ERROR}{type(exc).__name__}: {exc}"
+    try:
+        wrapped: BaseException = _callback_error_type(type(exc))(message)
+    except Exception:  # noqa: BLE001 - a type that cannot be subclassed or built from a message
+        wrapped = RuntimeError(message)
+    wrapped.__cause__ = exc
+    return wrapped.with_traceback(exc.__traceback__)
+
+
+def _failure_of(fut: torch.futures.Future[Any]) -> BaseException | None:
+    """The exception of a completed future (rpcdist's or torch's), None if it succeeded."""
+    if isinstance(fut, Future):
+        return fut.exception()
+    try:
+        fut.value()
+    except Exception as exc:  # noqa: BLE001 - torch's future holds it
+        return exc
+    return None
+
+
+def _collect_all_failing_early(futures: list[Any]) -> Future[list[Any]]:
+    """``torch._C._collect_all`` for lists with rpcdist futures: complete with the list once
+    all are complete, or with the first failure as soon as it happens (as torch's does, so
+    ``torch.futures.wait_all`` raises it without waiting for the others)."""
+    combined: Future[list[Any]] = Future()
+    if not futures:
+        combined.set_result([])
+        return combined
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(fut: Any) -> None:
+        failure = _failure_of(fut)
+        if failure is not None:
+            combined._try_complete(None, failure)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            combined._try_complete(futures, None)
+
     for fut in futures:
-        if isinstance(fut, Future):
-            fut.torch_future()
-    return futures
+        fut.add_done_callback(one_done)
+    return combined
 
 
 def _install_torch_hooks() -> None:
@@ -308,7 +415,10 @@ def _install_torch_hooks() -> None:
     collect_all_c, wait_c = torch._C._collect_all, torch._C.wait
 
     def collect_all_hook(futures: Any) -> Any:
-        return collect_all_c(_torch_sides(futures))
+        futures = list(futures)
+        if any(isinstance(fut, Future) for fut in futures):
+            return _collect_all_failing_early(futures).torch_future()  # C++ may read it too
+        return collect_all_c(futures)
 
     def wait_hook(future: Any) -> Any:
         if isinstance(future, Future):

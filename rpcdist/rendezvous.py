@@ -259,7 +259,9 @@ async def join_group(
         )
     owner = await store.compare_set_async(f"name/{name}", b"", str(rank))
     if owner != str(rank).encode():
-        raise MembershipError(f"worker name {name!r} is already taken by rank {owner.decode()} (rank {rank})")
+        raise MembershipError(  # torch's wording: "is not unique"
+            f"worker name {name!r} is not unique: already taken by rank {owner.decode()} (rank {rank})"
+        )
     holder = await store.compare_set_async(f"rank/{rank}", b"", name)
     if holder != name.encode():
         raise MembershipError(f"rank {rank} is already taken by worker {holder.decode()!r} (not {name!r})")

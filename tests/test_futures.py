@@ -87,6 +87,35 @@ def test_then_returns_an_awaitable_rpcdist_future_and_carries_errors() -> None:
         fut.then(None)  # type: ignore[arg-type]
 
 
+def test_a_then_callback_error_is_torchs_runtime_error_and_keeps_its_type() -> None:
+    """torch raises a callback's error as RuntimeError("Got the following error when running the
+    callback: ..."); rpcdist's is that RuntimeError and the original type at once."""
+    fut: Future[int] = Future()
+    failing = fut.then(lambda f: f + 1)  # a Future + 1: TypeError
+    fut.set_result(1)
+    with pytest.raises(RuntimeError, match="running the callback: TypeError: unsupported operand") as caught:
+        failing.wait()
+    assert isinstance(caught.value, TypeError) and isinstance(caught.value.__cause__, TypeError)
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        fut.then(None)  # type: ignore[arg-type]
+
+
+def test_a_then_callback_may_block_on_a_future_the_loop_completes() -> None:
+    """A future completed on its rpcdist loop runs then() callbacks off that loop, so one may
+    wait() for another future the loop completes (as torch users do inside callbacks)."""
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        first: Future[int] = Future(loop=loop)
+        second: Future[int] = Future(loop=loop)
+        chained = first.then(lambda f: f.value() + second.wait(timeout=30))
+        first.set_result(1)  # on the loop: the callback must not run (and block) here
+        second.set_result(2)
+        return await chained
+
+    assert asyncio.run(main()) == 3
+
+
 def test_callbacks_get_the_future_itself_and_a_raising_callback_is_contained() -> None:
     fut: Future[int] = Future()
     seen: list[object] = []

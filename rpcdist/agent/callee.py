@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
-from rpcdist.errors import RpcError
+from rpcdist.errors import RpcError, SerializationError
 from rpcdist.transport import Entries, frames, shm
 from rpcdist.transport.writer import FrameWriter
 
@@ -162,7 +162,7 @@ class Callee:
                 )
             func, args, kwargs, *state = self.agent.decode(header.payload, buffers)
         except Exception as exc:
-            self._respond_error(session, call_id, function, exc, loading=True)
+            self._respond_error(session, call_id, function, _loading_error(exc), loading=True)
             return
         agent = self.agent
         if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
@@ -320,6 +320,9 @@ class Callee:
     def _respond_error(
         self, session: InboundSession, call_id: int, function: str, exc: BaseException, loading: bool = False
     ) -> None:
+        if not isinstance(exc, asyncio.CancelledError):  # (a cancel is the caller's own doing)
+            # As torch's callee, which logs every failed request: the callee's log shows it too.
+            log.warning("%s: %s failed: %s: %s", self.agent.info.name, function, type(exc).__name__, exc)
         payload, buffers = describe_error(self.agent.info.name, function, exc, loading)
         session.respond(frames.encode_message(call_id, frames.ERROR, payload, buffers))
         self._served(session, call_id, function, False)
@@ -344,9 +347,23 @@ async def awaitable(result: Any) -> Any:
         result.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, done))
         await done
         return result.wait()
-    raise TypeError(
-        f"an @async_execution function must return a Future or awaitable, not {type(result).__name__}"
+    raise RuntimeError(  # torch's wording, which its users match
+        "Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
+        f"but got {type(result)} (rpcdist also takes an rpcdist Future or any awaitable)"
     )
+
+
+def _loading_error(exc: Exception) -> Exception:
+    """The error a caller gets for a call this worker could not unpickle: a function (or class)
+    missing here is a SerializationError in torch's words."""
+    if not isinstance(exc, (AttributeError, ImportError)):
+        return exc
+    error = SerializationError(
+        "RPC pickler does not serialize function code. Ensure that UDFs are defined on both "
+        f"caller and callee modules ({type(exc).__name__}: {exc})"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -83,7 +83,9 @@ def rebuild_error(
     if isinstance(exc, BaseException):
         return annotate_remote(exc, info["worker"], info["function"], info["traceback"])
     error = RemoteError(
-        f"{info['message']} (raised {where})\nRemote traceback:\n{info['traceback']}",
+        # torch's wording ("Original exception on remote side was"), which its users match
+        f"{function} failed {where} and its exception could not be rebuilt here. Original exception "
+        f"on remote side was: {info['message']}\nRemote traceback:\n{info['traceback']}",
         remote_type=info["type"],
         remote_traceback=info["traceback"],
     )

@@ -198,8 +198,9 @@ class Agent:
         if isinstance(to, str):
             info = self.workers_by_name.get(to)
             if info is None:
-                raise UnknownWorkerError(
-                    f"no worker named {to!r}; known workers: {sorted(self.workers_by_name)}"
+                raise UnknownWorkerError(  # torch's wording: "could not find destination"
+                    f"could not find destination: no worker named {to!r}; "
+                    f"known workers: {sorted(self.workers_by_name)}"
                 )
             return info
         if isinstance(to, int) and not isinstance(to, bool):
@@ -208,6 +209,8 @@ class Agent:
                 known = sorted(self.workers_by_rank) if self.dynamic else f"0..{self.world_size - 1}"
                 raise UnknownWorkerError(f"no worker with rank {to}; ranks are {known}")
             return info
+        if isinstance(to, float):  # a ValueError, as in torch (an UnknownWorkerError is one)
+            raise UnknownWorkerError(f"no worker with rank {to!r}: a rank is an int")
         raise TypeError(f"`to` must be a worker name, rank or WorkerInfo, not {type(to).__name__}")
 
     def is_colocated(self, rank: int) -> bool:

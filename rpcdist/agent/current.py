@@ -15,12 +15,19 @@ if TYPE_CHECKING:
 
 _agent: Agent | None = None
 
+# torch's wordings, which torch users match: of an RPC call, and of an RRef made or used.
+NOT_INITIALIZED = "RPC has not been initialized. Call rpcdist.rpc.init_rpc(...) first."
+NO_AGENT_FOR_RREF = (
+    "Current RPC agent is not set! Did you initialize the RPC framework "
+    "(e.g. by calling rpcdist.rpc.init_rpc(...))?"
+)
+
 
 def current_agent() -> Agent:
     """This process's RPC agent; RpcError if RPC is not initialized."""
     agent = _agent
     if agent is None:
-        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+        raise RpcError(NOT_INITIALIZED)
     return agent
 
 

@@ -8,8 +8,10 @@ rpc.shutdown()
 
 from rpcdist.errors import RemoteError, RestrictedError, RpcError, RpcTimeoutError
 from rpcdist.futures import Future
-from rpcdist.rpc import functions
+from rpcdist.rpc import constants, functions
 from rpcdist.rpc.api import (
+    _get_current_rpc_agent,  # noqa: F401 - torch's private helpers, which torch users call
+    _set_rpc_timeout,  # noqa: F401
     backend_registered,
     construct_rpc_backend_options,
     get_all_worker_infos,
@@ -41,6 +43,7 @@ __all__ = [
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
     "backend_registered",
+    "constants",
     "construct_rpc_backend_options",
     "get_rpc_timeout",
     "is_available",

@@ -8,12 +8,14 @@ runs it on the caller's own loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from rpcdist.agent.options import (
 )
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
-from rpcdist.futures import Future
+from rpcdist.futures import Future, stop_callback_threads
 from rpcdist.rpc import elastic, profiling
 from rpcdist.rpc import rref as rrefs
 from rpcdist.rpc.profiling import function_name, profiled, profiling_key
@@ -67,6 +69,18 @@ def _install(agent: Agent | None) -> None:
     set_current_agent(agent)
 
 
+def _check_init_arguments(backend: Any, options: Any) -> None:
+    """TypeErrors for arguments of the wrong kind, in torch's words (which its users match)."""
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError(f"Argument backend must be a member of BackendType, not {backend!r}")
+    if options is not None and not isinstance(options, RpcBackendOptions):
+        kind = type(options).__name__
+        raise TypeError(f"Argument rpc_backend_options must be an instance of RpcBackendOptions, not {kind}")
+    if backend is None and options is not None and type(options) is not RpcBackendOptions:
+        # a subclass of someone else's: its backend is not rpcdist's to guess
+        raise TypeError(f"Could not infer backend for options {type(options).__name__}: pass backend=")
+
+
 async def init_rpc_async(
     name: str,
     backend: BackendType | None = None,
@@ -75,6 +89,7 @@ async def init_rpc_async(
     rpc_backend_options: RpcBackendOptions | None = None,
 ) -> None:
     """Join the group as ``name``; everything runs on the calling event loop."""
+    _check_init_arguments(backend, rpc_backend_options)
     if _agent is not None:
         raise RpcError(f"RPC is already initialized in this process (as {_agent.info.name})")
     options = rpc_backend_options or RpcBackendOptions()
@@ -247,6 +262,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         rrefs.detach()
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
+        stop_callback_threads()
         gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
 
 
@@ -269,6 +285,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         try:
             call_blocking(loop, shutdown_async(graceful, timeout))
         finally:
+            stop_callback_threads(timeout=5.0)  # their callbacks' RPCs have all ended by now
             if _owns_loop:
                 _owns_loop = False
                 release_loop(loop)
@@ -285,7 +302,97 @@ def rpc_async(
 
     ``timeout`` in seconds: -1 uses the default ``rpc_timeout``, 0 waits without limit.
     """
-    return _call("async", to, func, args, kwargs, timeout)
+    future = _call("async", to, func, args, kwargs, timeout)
+    collecting = getattr(_thread_local_var, "future_list", None)
+    if collecting is not None:  # inside _wait_all()
+        collecting.append(future)
+    return future
+
+
+# torch's private helpers that torch users (and torch's tests) reach for; thin forms of public
+# behaviour: the default timeout, and waiting for every rpc_async of a block.
+_thread_local_var = threading.local()
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Set the default timeout (seconds; 0: none) of the calls made from now on."""
+    current_agent().options.rpc_timeout = float(rpc_timeout)
+
+
+_wait_all_workers_rounds = itertools.count()
+
+
+def _wait_all_workers(timeout: float = 0) -> None:
+    """Block until every worker has reached this call and this worker's outstanding calls have
+    ended (the first half of a graceful shutdown). ``timeout`` in seconds, 0: none."""
+    agent = current_agent()
+    name = f"wait_all_workers/{next(_wait_all_workers_rounds)}"
+    limit = timeout if timeout and timeout > 0 else None
+
+    async def wait() -> None:
+        await agent.wait_for_outstanding(limit)
+        store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
+        await rdv.barrier(store, name, agent.info.id, agent.world_size, limit, agent.find_dead)
+
+    call_blocking(agent.loop, wait())
+
+
+_barrier_rounds: dict[tuple[str, ...], itertools.count[int]] = {}
+_barrier_lock = threading.Lock()
+
+
+def _barrier(worker_names: list[str], timeout: float = -1.0) -> None:
+    """Block until every worker of ``worker_names`` has made its matching call (the n-th call
+    of each for one set of names meets the others' n-th). ``timeout`` in seconds: -1 the default
+    ``rpc_timeout``, 0 none."""
+    agent = current_agent()
+    names = tuple(sorted(set(worker_names)))
+    with _barrier_lock:
+        meeting = next(_barrier_rounds.setdefault(names, itertools.count()))
+    key = f"barrier/{','.join(names)}/{meeting}"
+    seconds = agent.options.rpc_timeout if timeout < 0 else timeout
+
+    async def wait() -> None:
+        store = PrefixStore(_STORE_PREFIX, agent.rendezvous.store)
+        if await store.add_async(key, 1) == len(names):
+            await store.set_async(f"{key}/all", b"1")
+        await store.get_async(f"{key}/all", timeout=seconds if seconds > 0 else None)
+
+    call_blocking(agent.loop, wait())
+
+
+class _AgentView:
+    """What torch's private ``_get_current_rpc_agent()`` gives its users: the group's workers
+    and debug counters (rpcdist's public ``get_worker_info``/``get_all_worker_infos``/``debug_info``)."""
+
+    def get_worker_info(self, name: str | None = None) -> WorkerInfo:
+        return get_worker_info(name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return get_all_worker_infos()
+
+    def get_debug_info(self) -> dict[str, Any]:
+        return {f"rref.{key}": value for key, value in rrefs.debug_info().items()}
+
+
+def _get_current_rpc_agent() -> _AgentView:
+    """torch's private accessor of the running agent (the calls it offers: see _AgentView)."""
+    current_agent()  # raises if RPC is not initialized, as torch's
+    return _AgentView()
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    """Within: every ``rpc_async`` of this thread is collected; on exit, wait for them all
+    (``torch.futures.wait_all``: the first failure is raised)."""
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
 
 
 def _call(

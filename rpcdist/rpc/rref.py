@@ -33,7 +33,11 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
+
 from rpcdist import serialization
+from rpcdist._runtime import current_loop
+from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
@@ -79,7 +83,7 @@ def release_all_users() -> None:
 def _context() -> RRefContext:
     context = _current
     if context is None:
-        raise RpcError("RPC is not initialized: call rpcdist.rpc.init_rpc(...) first")
+        raise RpcError(NO_AGENT_FOR_RREF)
     return context
 
 
@@ -356,6 +360,11 @@ class RRef(Generic[T]):
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
         """A Future of the value, copied from the owner (on the owner: the value itself);
         awaitable, or ``wait()`` on it."""
+        if self._released and _current is None:  # used after shutdown (torch's wording)
+            raise RpcError(
+                f"User RRef owned by {self._owner.name} was released (at shutdown): "
+                "Cannot call to_here() on it after deletion."
+            )
         agent = _agent()
         created = self._confirmed
         if created is not None and created.done() and created.exception() is not None:
@@ -412,6 +421,41 @@ class RRef(Generic[T]):
         """The value, copied from the owner; raises the creating call's error if it failed."""
         return self.to_here_async(timeout).wait()
 
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """torch's ``RRef._get_type``: the type of the value, asked of the owner once and then
+        kept; ``blocking=False`` gives a Future of it (the same one on every call)."""
+        known: Future[Any] | None = getattr(self, "_type_future", None)
+        if known is None:
+            if self.is_owner():
+                known = Future()
+                known.set_result(type(self.local_value()))
+            else:
+                from rpcdist.rpc import api  # (api builds on this module)
+
+                known = api.rpc_async(self._owner, _rref_typeof_on_owner, args=(self,), timeout=timeout)
+            self._type_future = known
+        return known.wait() if blocking else known
+
+    # -- autograd --------------------------------------------------------------------------------
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run the backward pass from the tensor this RRef holds, on its owner.
+
+        With ``dist_autograd_ctx_id`` it is a distributed backward pass in that context
+        (``rpcdist.autograd.backward(ctx, [value])``); without it (owners only) local autograd
+        (``torch.autograd.backward(value)``). The value must be a tensor (a scalar without
+        explicit gradients).
+        """
+        if self.is_owner():
+            _backward_value(self.local_value(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError(  # torch's wording
+                "User RRefs require 'dist_autograd_ctx_id' to be specified: the backward pass of "
+                f"an RRef owned by {self._owner.name} runs there, in a distributed autograd context"
+            )
+        call_args = (self, dist_autograd_ctx_id, retain_graph)
+        _agent().submit(self._owner, _backward_owned, call_args, None, -1.0).wait()
+
     # -- proxies ---------------------------------------------------------------------------------
     def rpc_sync(self, timeout: float = -1.0) -> Any:
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner and waits."""
@@ -466,12 +510,29 @@ class _Proxy:
             agent = _agent()
             call_args = (rref, method, args, kwargs)
             if mode == "remote":
+                _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
             future = agent.submit(rref.owner(), _call_method, call_args, None, timeout)
             return future.wait() if mode == "sync" else future
 
         call.__name__ = method
         return call
+
+
+def _check_attribute(agent: Agent, rref: RRef[Any], method: str, timeout: float) -> None:
+    """As torch's ``rref.remote().method``: a method the value lacks is an AttributeError at
+    once, here (not an RRef whose ``to_here()`` fails later). Asks the owner once per method."""
+    known: set[str] | None = getattr(rref, "_known_attributes", None)
+    if (known is not None and method in known) or current_loop() is agent.loop:
+        return  # (on the loop it cannot wait for the owner: the RRef's to_here() raises it)
+    if rref.is_owner():
+        present = hasattr(rref.local_value(), method)
+    else:
+        present = agent.submit(rref.owner(), _has_attribute, (rref, method), None, timeout).wait()
+    if not present:
+        owner = rref.owner_name()
+        raise AttributeError(f"the value of the RRef owned by {owner} has no attribute '{method}'")
+    rref._known_attributes = (known or set()) | {method}  # type: ignore[attr-defined]
 
 
 # -- the messages (each runs on the receiving worker's loop, in arrival order) ----------------------
@@ -525,6 +586,18 @@ def _fetch(rref_id: RRefId) -> Any:
 
 @trust
 @inline
+def _rref_typeof_on_owner(rref: RRef[Any]) -> Any:  # (torch's name: profiles show it)
+    """On the owner: the type of the value, once it exists."""
+    return _when_owned(rref._id, type)
+
+
+@inline
+def _has_attribute(rref: RRef[Any], name: str) -> Any:
+    """On the owner: whether the value has attribute ``name``."""
+    return _when_owned(rref._id, lambda value: hasattr(value, name))
+
+
+@inline
 def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
     agent = _agent()
@@ -539,6 +612,27 @@ def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: di
 
 
 @trust
+@inline
+def _backward_owned(rref: RRef[Any], context_id: int, retain_graph: bool) -> Any:
+    """On the owner: :meth:`RRef.backward` of the value, run as calls are run."""
+    agent = _agent()
+    return _when_owned(
+        rref._id,
+        lambda value: agent.start_user_function(_backward_value, (value, context_id, retain_graph), {}),
+    )
+
+
+def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"RRef should contain a tensor for .backward(), not {type(value).__name__}")
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+    else:
+        import rpcdist.autograd  # (rpcdist.autograd builds on this module's agent layer)
+
+        rpcdist.autograd.backward(context_id, [value], retain_graph=retain_graph)
+
+
 @inline
 def _create(
     rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float = 0.0

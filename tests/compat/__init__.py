@@ -15,6 +15,7 @@ rpcdist fixture, in worker processes where rpcdist's modules stand in for torch'
     probe.py          a suite written like torch's that checks the substitution from inside
     test_torch_suites.py   the generated test classes pytest runs
     test_substitution.py   proof that the calls go through rpcdist, and checks of the skip list
+    report.py         `python tests/compat/report.py`: runs the suites, rewrites REPORT.md
 
 The test assertions are torch's, unedited. The pytest process itself never installs the
 substitution: it only starts the workers and reads their exit codes, as torch's runner does.

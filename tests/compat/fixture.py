@@ -14,6 +14,8 @@ from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import RpcAg
 import rpcdist.rpc
 from compat import substitution
 
+RPCDIST_STORE_SUFFIX = ".rpcdist"  # rpcdist's FileStore file: <MultiProcessTestCase file>.rpcdist
+
 # What rpcdist says when a call fails because its peer shut down or is gone
 # (rpcdist.agent: WorkerDiedError, WorkerUnavailableError, RpcError of a closing agent).
 _SHUTDOWN_ERRORS = (
@@ -37,6 +39,16 @@ class RpcdistRpcAgentTestFixture(RpcAgentTestFixture):
                 "by tests/compat/launcher.py (whose fork server installs the substitution)"
             )
         return rpcdist.rpc.BackendType.GRPC
+
+    @property
+    def init_method(self) -> str:
+        """rpcdist's file:// rendezvous: a file next to ``self.file_name``, not that file itself.
+
+        torch's fixtures rendezvous RPC on ``file_init_method`` and some tests start a gloo group
+        (``dist.init_process_group``) on that same file, which works because both are torch's
+        FileStore. rpcdist's FileStore has a file format of its own, so it gets its own file.
+        """
+        return f"file://{self.file_name}{RPCDIST_STORE_SUFFIX}"
 
     @property
     def rpc_backend_options(self) -> rpcdist.rpc.RpcBackendOptions:

@@ -37,6 +37,7 @@ from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
 import rpcdist.rpc
+from compat.fixture import RPCDIST_STORE_SUFFIX
 from compat.skips import KNOWN_FAILURES, SKIPS, TORCHSCRIPT, KnownFailure, Skip
 from rpcdist.nn.api import remote_module
 
@@ -131,7 +132,8 @@ class SpawnHelper(MultiProcessTestCase):
 
     def tearDown(self) -> None:
         super().tearDown()
-        for leftover in (self.file_name, f"{self.file_name}.lock"):  # the file:// rendezvous
+        rpcdist_file = f"{self.file_name}{RPCDIST_STORE_SUFFIX}"  # the file:// rendezvous
+        for leftover in (self.file_name, f"{self.file_name}.lock", rpcdist_file, f"{rpcdist_file}.lock"):
             with contextlib.suppress(OSError):  # (FileStore removes both once all workers left)
                 os.remove(leftover)
 

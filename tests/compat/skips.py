@@ -58,7 +58,6 @@ _CLEANUP = (
     "checks that a context is gone on every worker by polling the private "
     "dist_autograd._retrieve_context(id) until it raises"
 )
-_SET_TIMEOUT = "sets the default timeout through the private rpc._set_rpc_timeout()"
 _JIT_CALL = "calls a @torch.jit.script function over RPC (torch's C++ TorchScript RPC path)"
 
 
@@ -88,6 +87,100 @@ def _autograd_skips(suite: str, suffix: str) -> dict[str, Skip]:
         f"test_backward_simple_script_call{suffix}": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
     }
     return {f"{suite}.{test}": skip for test, skip in entries.items()}
+
+
+_RREF_FUTURE = "the private RRef._get_future() (torch's C++ creation future)"
+_PROFILING_FUTURE = "the private RRef._get_profiling_future() (torch's C++ profiling future of an RRef)"
+_PROFILING_KEY = "builds its expected event names with torch's private rpc.internal._build_rpc_profiling_key"
+_RREF_LEAK = (
+    "mocks the private rpc.api._delete_all_user_and_unforked_owner_rrefs and sets the private "
+    "api._ignore_rref_leak flag"
+)
+_IDS = "matches torch's internal RRef/fork GloballyUniqueId(created_on, local_id) counters in the text"
+
+
+def _rpc_test_skips() -> dict[str, Skip]:
+    """The entries of rpc_test.RpcTest."""
+    entries = {
+        "test_all_gather": Skip(
+            TORCH_PRIVATE, "the private rpc.api._all_gather() and _get_current_rpc_agent()"
+        ),
+        "test_all_gather_timeout": Skip(
+            TORCH_PRIVATE, "the private rpc.api._all_gather() and _set_rpc_timeout()"
+        ),
+        "test_build_rpc_profiling_key": Skip(TORCH_PRIVATE, _PROFILING_KEY),
+        "test_debug_info": Skip(
+            TORCH_PRIVATE,
+            "compares the keys of the private _get_debug_info(), "
+            "_rref_context_get_debug_info() and dist_autograd._get_debug_info() counters",
+        ),
+        "test_disable_gil_profiling": Skip(
+            TORCH_PRIVATE,
+            "reads a GIL wait counter of torch's agent (get_debug_info()['agent.gil_average_wait_time_us'])",
+        ),
+        "test_duplicate_name": Skip(TORCH_PRIVATE, "the private rpc._init_rpc_backend() on a raw store"),
+        "test_register_rpc_backend_and_set_and_start_rpc_backend": Skip(
+            TORCH_PRIVATE,
+            "registers a backend in torch's backend_registry and calls the private "
+            "rpc.api._set_and_start_rpc_agent()",
+        ),
+        "test_rref_context_debug_info": Skip(
+            TORCH_PRIVATE, "the private _rref_context_get_debug_info() counters"
+        ),
+        "test_rref_get_future": Skip(TORCH_PRIVATE, _RREF_FUTURE),
+        "test_rref_timeout": Skip(TORCH_PRIVATE, _RREF_FUTURE),
+        "test_server_process_global_profiler": Skip(
+            TORCH_PRIVATE, "the private rpc._server_process_global_profile (torch's server-side profiler)"
+        ),
+        "test_shutdown_errors": Skip(
+            TORCH_PRIVATE,
+            "mocks the private rpc.api._broadcast_to_followers and "
+            "_delete_all_user_and_unforked_owner_rrefs to inject shutdown failures",
+        ),
+        "test_use_rpc_pickler": Skip(
+            TORCH_PRIVATE, "the private rpc.api._use_rpc_pickler/_internal_rpc_pickler"
+        ),
+        "test_py_nested_pickle": Skip(
+            TORCH_PRIVATE,
+            "its argument pickles itself with torch's private rpc.internal._internal_rpc_pickler",
+        ),
+        "test_ignore_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
+        "test_rref_leak": Skip(TORCH_PRIVATE, _RREF_LEAK),
+        "test_wait_all_workers_timeout": Skip(
+            TORCH_PRIVATE, "mocks the private rpc.api._all_gather to make rpc.api._wait_all_workers time out"
+        ),
+        "test_local_value_not_on_owner": Skip(TORCH_PRIVATE, _IDS),
+        "test_rref_str": Skip(TORCH_PRIVATE, _IDS),
+        "test_use_rref_after_shutdown": Skip(
+            TORCH_PRIVATE,
+            "after to_here() (which passes), pickles the RRef with torch's internal "
+            "rpc.internal.serialize (its C++ RPC pickler)",
+        ),
+        "test_profiler_remote_events_profiled": Skip(TORCH_PRIVATE, _PROFILING_KEY),
+        "test_profiler_remote_events_profiled_single_threaded": Skip(TORCH_PRIVATE, _PROFILING_KEY),
+        **{
+            f"test_profiler_with_remote_{kind}": Skip(TORCH_PRIVATE, _PROFILING_FUTURE)
+            for kind in ("builtin", "builtin_single_threaded", "udf", "udf_single_threaded")
+        },
+        # TorchScript functions over RPC
+        **{
+            f"test_profiler_with_script_{kind}": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL)
+            for kind in (
+                "async_rpc",
+                "async_rpc_single_threaded",
+                "remote_rpc",
+                "remote_rpc_single_threaded",
+                "sync_rpc",
+                "sync_rpc_single_threaded",
+            )
+        },
+        "test_rpc_profiling_async_function": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_rpc_profiling_async_function_single_threaded": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_stress_heavy_rpc_torchscript": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_wait_all_exit_early_script_function": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+        "test_async_record_function_cbs_jit_call": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+    }
+    return {f"RpcTest.{test}": skip for test, skip in entries.items()}
 
 
 SKIPS: dict[str, Skip] = {
@@ -122,9 +215,9 @@ SKIPS: dict[str, Skip] = {
     "DistAutogradTest.test_clean_context_during_backward": Skip(
         TORCH_PRIVATE, "makes contexts with the private dist_autograd._new_context()/_release_context()"
     ),
-    "DistAutogradTest.test_backward_node_failure": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
-    "DistAutogradTest.test_backward_node_failure_python_udf": Skip(TORCH_PRIVATE, _SET_TIMEOUT),
     "DistAutogradTest.test_trainer_ps_torchscript_functions": Skip(TORCHSCRIPT_FUNCTION, _JIT_CALL),
+    # --- torch/testing/_internal/distributed/rpc/rpc_test.py
+    **_rpc_test_skips(),
 }
 
 
@@ -153,19 +246,56 @@ _HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetchi
 
 # "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
 KNOWN_FAILURES: dict[str, KnownFailure] = {
+    # --- torch/testing/_internal/distributed/rpc/rpc_test.py
+    "RpcTest.test_non_cont_tensors": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "a non-contiguous view arrives contiguous (rpcdist sends tensors as "
+        "contiguous raw buffers; torch keeps the view's strides)"
+    ),
+    "RpcTest.test_user_rrefs_confirmed": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "a forked user RRef is confirmed_by_owner() only once the owner has "
+        "registered it; torch runs the call only after that confirmation"
+    ),
+    "RpcTest.test_user_rrefs_confirmed_remote": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "as test_user_rrefs_confirmed, through rpc.remote"
+    ),
+    "RpcTest.test_init_pg_then_rpc": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "a gloo group and RPC rendezvous on one file:// file: rpcdist's "
+        "FileStore has its own file format, so it cannot share torch's FileStore file"
+    ),
+    "RpcTest.test_init_rpc_then_pg": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "as test_init_pg_then_rpc (RPC first, then gloo on the same file: hangs)",
+        _HANG_TIMEOUT,
+    ),
+    "RpcTest.test_duplicate_name_2": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "only the worker whose name is taken fails at once ('is not unique'); "
+        "torch gathers every name and fails every worker, rpcdist's others wait for it (hangs)",
+        _HANG_TIMEOUT,
+    ),
+    "RpcTest.test_nested_rref_stress": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "20 nested RRef round trips between 4 workers do not finish "
+        "(hangs; not yet diagnosed)",
+        _HANG_TIMEOUT,
+    ),
+    "RpcTest.test_rref_forward_chain": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "intermittent (failed in 2 of 4 runs under load, passes alone): one "
+        "to_here() along the 8-deep chain of nested RRefs never completes (worker0 waits in "
+        "to_here, the others in shutdown); not yet diagnosed",
+        20,
+    ),
+    "RpcTest.test_profiler_export_trace": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
+        "exported Chrome trace lacks the remote ops"
+    ),
+    "RpcTest.test_profiler_with_async_rpc_udf": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile"
+    ),
+    "RpcTest.test_profiler_with_async_rpc_udf_single_threaded": KnownFailure(
+        KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile"
+    ),
     # --- torch/testing/_internal/distributed/rpc/dist_autograd_test.py
     "DistAutogradTest.test_async_dist_autograd": KnownFailure(
         KNOWN_FAILURE_PREFIX + "40 threads of 2 workers each running rpc_sync + backward on worker0 "
         "deadlock (not yet diagnosed; likely worker0's pool threads all waiting in backward passes)",
-        _HANG_TIMEOUT,
-    ),
-    "DistAutogradTest.test_grad_only_on_return_value": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "backward through an RPC that returns a remote leaf tensor as-is "
-        "(ret_requires_grad) does not complete (hangs; not yet diagnosed)",
-        _HANG_TIMEOUT,
-    ),
-    "DistAutogradTest.test_grad_only_on_return_value_remote": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "as test_grad_only_on_return_value, through rpc.remote(...).to_here()",
         _HANG_TIMEOUT,
     ),
     "DistAutogradTest.test_backward_unused_send_function": KnownFailure(
@@ -175,11 +305,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
     "DistAutogradTest.test_dist_autograd_profiling": KnownFailure(
         KNOWN_FAILURE_PREFIX + "profiler events named SendRpcBackward / RecvRpcBackward / "
         "torch::distributed::autograd::backward for a distributed backward pass"
-    ),
-    "DistAutogradTest.test_multiple_backward_with_errors": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "100 retain_graph backward passes over a remote UDF whose backward "
-        "fails for the first 50 do not all complete (hangs; not yet diagnosed)",
-        _HANG_TIMEOUT,
     ),
     "DistAutogradTest.test_no_grad_copy": KnownFailure(_GRAD_STEALING),
     "DistAutogradTest.test_no_grad_copy_sparse": KnownFailure(_GRAD_STEALING),

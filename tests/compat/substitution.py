@@ -53,6 +53,17 @@ ATTRIBUTES: dict[str, dict[str, str]] = {
 # Private names of torch's that rpcdist implements under the same name and meaning. Any other
 # private name is a NoCounterpart (torch's private hooks are not rpcdist's API).
 PRIVATE_COUNTERPARTS: dict[str, frozenset[str]] = {
+    "torch.distributed.rpc": frozenset({"_set_rpc_timeout", "_get_current_rpc_agent"}),
+    "torch.distributed.rpc.api": frozenset(
+        {
+            "_set_rpc_timeout",
+            "_wait_all",
+            "_thread_local_var",
+            "_wait_all_workers",
+            "_barrier",
+            "_get_current_rpc_agent",
+        }
+    ),
     "torch.distributed.nn.api.remote_module": frozenset(
         {"_RemoteModule", "_REMOTE_MODULE_PICKLED_ATTRIBUTES"}
     ),

@@ -5,10 +5,10 @@ Each is one of the generic suites torch runs against every agent (``GENERIC_TEST
 adding its line (and, if some of its tests need torch internals, their entries in
 ``skips.py``); ``test_torch_suites.py`` makes the test classes from this list.
 
-Not (yet) here: ``rpc_test.RpcTest`` (217 tests; a partial run took ~3 s a test, with 12 of its
-first 49 tests failing, so it is neither fast enough to run whole nor triaged); torch's CUDA
-and faulty-agent classes (``CudaDistAutogradTest``, ``FaultyAgentDistAutogradTest``,
-``TensorPipeCudaDistAutogradTest``), which need CUDA or TensorPipe's faulty agent.
+Not here: the agent-specific classes of ``rpc_test.py`` (``TensorPipeAgentRpcTest``,
+``TensorPipeAgentCudaRpcTest``, ``CudaRpcTest``, ``FaultyAgentRpcTest``) and torch's CUDA and
+faulty-agent autograd classes (``CudaDistAutogradTest``, ``FaultyAgentDistAutogradTest``,
+``TensorPipeCudaDistAutogradTest``): they test TensorPipe, CUDA or TensorPipe's faulty agent.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ SUITES: list[str] = [
     "torch.testing._internal.distributed.rpc.examples.reinforcement_learning_rpc_test:ReinforcementLearningRpcTest",
     "torch.testing._internal.distributed.rpc.dist_autograd_test:DistAutogradTest",
     "torch.testing._internal.distributed.rpc.dist_autograd_test:TensorPipeAgentDistAutogradTest",
+    "torch.testing._internal.distributed.rpc.rpc_test:RpcTest",
 ]
 
 
