@@ -54,7 +54,7 @@ from rpcdist.collectives.loans import Loan
 from rpcdist.collectives.reduce_ops import ReduceOp, check_op, reduce_op
 from rpcdist.collectives.work import Work
 from rpcdist.errors import BlockingCallError
-from rpcdist.futures import Future
+from rpcdist.futures import Future, stop_callback_threads
 from rpcdist.store import PrefixStore, Store
 
 log = logging.getLogger(__name__)
@@ -319,6 +319,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         )
     _run_hooks(_destroy_hooks)
     call_blocking(state.loop, destroy_process_group_async())
+    stop_callback_threads(timeout=5.0)  # wait for them here, off the loop
     if state.owns_loop:
         release_loop(state.loop)
 
@@ -370,6 +371,7 @@ async def destroy_process_group_async() -> None:
             metrics.release()
         set_state(None)
         GroupMember.WORLD = None
+        stop_callback_threads()  # then() callbacks of the group's futures (made again on use)
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None, **_: Any) -> Any:
