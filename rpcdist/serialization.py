@@ -49,7 +49,7 @@ __all__ = [
 T = TypeVar("T")
 
 Buffer = memoryview | bytearray | bytes
-GradReducer = Callable[[torch.Tensor, tuple[Any, ...]], Any]
+GradReducer = Callable[[torch.Tensor, Callable[..., torch.Tensor], tuple[Any, ...]], Any]
 
 
 def _dense_span(t: torch.Tensor) -> bool:
@@ -60,6 +60,20 @@ def _dense_span(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _covering_span(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last in memory, if no two of its elements share a
+    place (else, or when empty, 0). torch's strides are never negative."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+    if t.numel() == 0 or any(n == 0 for _, n in dims):
+        return 0
+    reach = 0  # how far the dimensions with smaller strides reach
+    for stride, n in dims:
+        if stride <= reach:
+            return 0  # overlapping (e.g. expanded): a stride of 0, or inside a smaller dim's reach
+        reach += (n - 1) * stride
+    return reach + 1
 
 
 def rebuild_tensor(
@@ -85,6 +99,21 @@ def rebuild_tensor(
     return t
 
 
+def rebuild_sparse_coo(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    size: tuple[int, ...],
+    requires_grad: bool,
+    coalesced: bool,
+) -> torch.Tensor:
+    """A sparse COO tensor from its indices and values (which travelled as dense tensors);
+    its invariants are checked, so bad indices from a peer are an error, not memory damage."""
+    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=True)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
 class _Pickler(pickle.Pickler):
     _grad_reducer: GradReducer | None = None  # set per instance by dumps()
 
@@ -99,14 +128,25 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        if t.layout == torch.sparse_coo and t.device.type == "cpu":
+            data = t.detach()
+            parts = (data._indices(), data._values(), tuple(data.shape), t.requires_grad, data.is_coalesced())
+            return self._with_grad(t, rebuild_sparse_coo, parts)
         if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized or t.is_nested:
             return NotImplemented  # rare kinds: torch's own (in-band) pickling
         data = t.detach()
         if data.is_conj() or data.is_neg():
             data = data.resolve_conj().resolve_neg()
+        length = data.numel()
         if not _dense_span(data):
-            data = data.contiguous()  # a strided view with gaps: send only its elements
-        span = data.as_strided((data.numel(),), (1,), data.storage_offset())
+            covering = _covering_span(data)
+            if covering and covering * data.element_size() <= max(4 * length * data.element_size(), 1 << 16):
+                length = covering  # a view with gaps: its strides travel too, as torch's do
+            else:
+                # Overlapping (expanded) views, or a small view of a big storage: only its
+                # elements travel, and the receiver gets memory it can write into.
+                data = data.contiguous()
+        span = data.as_strided((length,), (1,), data.storage_offset())
         raw = span.view(torch.uint8) if span.dtype != torch.uint8 else span
         args = (
             pickle.PickleBuffer(raw.numpy()),
@@ -116,18 +156,23 @@ class _Pickler(pickle.Pickler):
             t.requires_grad,
             type(t) is torch.nn.Parameter,
         )
+        return self._with_grad(t, rebuild_tensor, args)
+
+    def _with_grad(self, t: torch.Tensor, rebuild: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> Any:
+        """``(rebuild, args)``, unless the grad reducer pickles ``t`` (requiring grad) otherwise."""
         if t.requires_grad and self._grad_reducer is not None:
-            reduced = self._grad_reducer(t, args)  # e.g. recorded as a distributed autograd send
+            reduced = self._grad_reducer(t, rebuild, args)  # e.g. recorded as a distributed autograd send
             if reduced is not None:
                 return reduced
-        return (rebuild_tensor, args)
+        return (rebuild, args)
 
 
 def dumps(obj: Any, grad_reducer: GradReducer | None = None) -> tuple[bytes, list[memoryview]]:
     """Pickle ``obj``; returns ``(payload, buffers)`` with tensor/array memory out of band.
 
-    ``grad_reducer(tensor, args)``, if given, may pickle a tensor requiring grad as another
-    ``(callable, args)`` pair (``args`` are :func:`rebuild_tensor`'s) or return None.
+    ``grad_reducer(tensor, rebuild, args)``, if given, may pickle a tensor requiring grad as
+    another ``(callable, args)`` pair (``rebuild(*args)`` is the tensor: :func:`rebuild_tensor`,
+    or :func:`rebuild_sparse_coo` for a sparse COO tensor) or return None.
 
     Raises :class:`SerializationError` (a ``TypeError``) naming what could not be pickled.
     """
@@ -391,6 +436,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 trust(rebuild_tensor)
+trust(rebuild_sparse_coo)
 
 
 def _describe(obj: Any) -> str:

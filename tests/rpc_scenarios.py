@@ -272,7 +272,7 @@ def non_contiguous_cases() -> dict[str, tuple[torch.Tensor, bool]]:
     complex_base = torch.complex(torch.arange(6.0), torch.arange(6.0) + 1)
     return {
         "transposed": (torch.arange(24, dtype=torch.float32).reshape(4, 6).T, True),
-        "step_slice": (torch.arange(60, dtype=torch.int64).reshape(6, 10)[::2, 1::3], False),
+        "step_slice": (torch.arange(60, dtype=torch.int64).reshape(6, 10)[::2, 1::3], True),
         "expanded": (torch.tensor([1.5, -2.0, 3.25]).expand(4, 3), False),
         "channels_last": (
             torch.arange(120, dtype=torch.float64)

@@ -31,9 +31,10 @@ __all__ = [
     "run_undo",
 ]
 
-TensorReducer = Callable[[torch.Tensor, tuple[Any, ...]], Any]
-"""Given a tensor requiring grad and the default rebuild arguments, the ``(callable, args)``
-pair to pickle it as instead, or None for the default (see ``serialization.dumps``)."""
+TensorReducer = Callable[[torch.Tensor, Callable[..., torch.Tensor], tuple[Any, ...]], Any]
+"""Given a tensor requiring grad and the default ``(rebuild, args)`` that remake it, the
+``(callable, args)`` pair to pickle it as instead, or None for the default (see
+``serialization.dumps``)."""
 
 
 class CallExtension(Protocol):

@@ -162,9 +162,9 @@ class _AutogradCalls:
         with context.lock:
             context.workers.add(peer)  # it will have to release the context too
 
-        def reduce(tensor: torch.Tensor, rebuild_args: tuple[Any, ...]) -> Any:
+        def reduce(tensor: torch.Tensor, rebuild: Any, rebuild_args: tuple[Any, ...]) -> Any:
             send_id = context.add_send(tensor, peer)
-            return (_rebuild_received, (*rebuild_args, context.id, _worker_rank, send_id))
+            return (_rebuild_received, (rebuild, rebuild_args, context.id, _worker_rank, send_id))
 
         return reduce
 
@@ -174,11 +174,15 @@ CALL_EXTENSION = _AutogradCalls()
 
 
 @trust
-def _rebuild_received(*args: Any) -> torch.Tensor:
+def _rebuild_received(
+    rebuild: Any, rebuild_args: tuple[Any, ...], context_id: int, src: int, send_id: int
+) -> torch.Tensor:
     """Unpickles a tensor sent inside a context: a leaf whose gradient goes back to the sender."""
-    *rebuild_args, context_id, src, send_id = args
-    rebuild_args[4] = True  # requires_grad
-    leaf = serialization.rebuild_tensor(*rebuild_args)
+    if rebuild not in (serialization.rebuild_tensor, serialization.rebuild_sparse_coo):
+        raise TypeError(f"a tensor sent in a distributed autograd context cannot be rebuilt by {rebuild!r}")
+    leaf = rebuild(*rebuild_args)
+    if not leaf.requires_grad:
+        leaf.requires_grad_(True)
     record_recv(leaf, context_id, src, send_id)
     return leaf
 

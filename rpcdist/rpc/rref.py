@@ -591,12 +591,14 @@ def _rref_typeof_on_owner(rref: RRef[Any]) -> Any:  # (torch's name: profiles sh
     return _when_owned(rref._id, type)
 
 
+@trust
 @inline
 def _has_attribute(rref: RRef[Any], name: str) -> Any:
     """On the owner: whether the value has attribute ``name``."""
     return _when_owned(rref._id, lambda value: hasattr(value, name))
 
 
+@trust
 @inline
 def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
@@ -633,6 +635,7 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
         rpcdist.autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
+@trust
 @inline
 def _create(
     rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float = 0.0

@@ -237,20 +237,11 @@ _GRAD_STEALING = (
     KNOWN_FAILURE_PREFIX + "torch's gradient stealing: the first gradient accumulated in a "
     "context is the autograd buffer itself (same data_ptr), rpcdist stores a copy"
 )
-_SPARSE = (
-    KNOWN_FAILURE_PREFIX + "sparse tensors in distributed autograd: a sparse COO tensor sent over "
-    "RPC inside a context is not recorded as a send/recv pair (it arrives without requires_grad, "
-    "so backward refuses the root; seen in test_backward_simple_sparse)"
-)
 _HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetching its stack)
 
 # "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
 KNOWN_FAILURES: dict[str, KnownFailure] = {
     # --- torch/testing/_internal/distributed/rpc/rpc_test.py
-    "RpcTest.test_non_cont_tensors": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "a non-contiguous view arrives contiguous (rpcdist sends tensors as "
-        "contiguous raw buffers; torch keeps the view's strides)"
-    ),
     "RpcTest.test_user_rrefs_confirmed": KnownFailure(
         KNOWN_FAILURE_PREFIX + "a forked user RRef is confirmed_by_owner() only once the owner has "
         "registered it; torch runs the call only after that confirmation"
@@ -309,24 +300,4 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
     "DistAutogradTest.test_no_grad_copy": KnownFailure(_GRAD_STEALING),
     "DistAutogradTest.test_no_grad_copy_sparse": KnownFailure(_GRAD_STEALING),
     "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref": KnownFailure(_GRAD_STEALING),
-    # (the trainers wait for a parameter server that never sees their sparse gradients: it hangs)
-    "TensorPipeAgentDistAutogradTest.test_trainer_ps_sparse": KnownFailure(_SPARSE, _HANG_TIMEOUT),
-    **{
-        f"TensorPipeAgentDistAutogradTest.{test}": KnownFailure(_SPARSE)
-        for test in (
-            "test_backward_different_dtypes_sparse",
-            "test_backward_multiple_round_trips_sparse",
-            "test_backward_no_grad_on_tensor_sparse",
-            "test_backward_rref_multi_sparse",
-            "test_backward_rref_nested_sparse",
-            "test_backward_rref_sparse",
-            "test_backward_simple_python_udf_sparse",
-            "test_backward_simple_self_sparse",
-            "test_backward_simple_sparse",
-            "test_backwards_nested_python_udf_sparse",
-            "test_mixed_requires_grad_sparse",
-            "test_multiple_backward_sparse",
-            "test_nested_backward_accumulate_grads_sparse",
-        )
-    },
 }
