@@ -47,7 +47,7 @@ CURVE_COLOURS = {"C0 blue": (31 / 255, 119 / 255, 180 / 255), "C1 orange": (1.0,
 
 def assert_curve_png(stdout: str, expected: Path, report: str) -> None:
     """The example printed ``curve: <expected>`` and wrote there a valid PNG of a plot: the PNG
-    signature and header, a figure's size, and pixels of both of its first two lines' colours."""
+    signature and header, a figure's size, and both of its first two lines drawn across a panel."""
     line = next((ln for ln in stdout.splitlines() if ln.startswith("curve: ")), None)
     assert line is not None, f"no 'curve: PATH' line\n{report}"
     assert Path(line.removeprefix("curve: ")) == expected.resolve(), report
@@ -62,5 +62,7 @@ def assert_curve_png(stdout: str, expected: Path, report: str) -> None:
 
     rgb = matplotlib.image.imread(expected)[..., :3]
     for name, colour in CURVE_COLOURS.items():
-        near = (np.abs(rgb - np.array(colour)) < 0.04).all(axis=-1).sum()
-        assert near >= 100, f"{expected}: only {near} pixels of the {name} line: no curve drawn?"
+        # Columns holding the colour (antialiased, lines cross each other): a line across a
+        # panel covers well over 60; a legend's handle alone about 25.
+        columns = (np.abs(rgb - np.array(colour)) < 0.1).all(axis=-1).any(axis=0).sum()
+        assert columns >= 60, f"{expected}: the {name} line spans only {columns} columns: no curve drawn?"
