@@ -43,6 +43,7 @@ from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
+from rpcdist.rpc import profiling
 from rpcdist.serialization import trust
 
 if TYPE_CHECKING:
@@ -430,9 +431,10 @@ class RRef(Generic[T]):
                 known = Future()
                 known.set_result(type(self.local_value()))
             else:
-                from rpcdist.rpc import api  # (api builds on this module)
-
-                known = api.rpc_async(self._owner, _rref_typeof_on_owner, args=(self,), timeout=timeout)
+                # As rpc_async would (a profiler sees the call too).
+                known = profiling.profiled_call(
+                    _agent(), "async", self._owner, _rref_typeof_on_owner, (self,), None, timeout
+                )
             self._type_future = known
         return known.wait() if blocking else known
 
