@@ -319,7 +319,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         )
     _run_hooks(_destroy_hooks)
     call_blocking(state.loop, destroy_process_group_async())
-    stop_callback_threads(timeout=5.0)  # wait for them here, off the loop
+    stop_callback_threads(timeout=5.0)  # then() callbacks of the group's futures (made again on use)
     if state.owns_loop:
         release_loop(state.loop)
 
@@ -371,7 +371,6 @@ async def destroy_process_group_async() -> None:
             metrics.release()
         set_state(None)
         GroupMember.WORLD = None
-        stop_callback_threads()  # then() callbacks of the group's futures (made again on use)
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None, **_: Any) -> Any:
