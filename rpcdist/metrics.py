@@ -16,6 +16,7 @@ state) is not counted on the hot path at all: it is read from every live agent's
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import threading
@@ -311,6 +312,25 @@ class _StateCollector(Collector):
 _server: Any = None
 _thread: threading.Thread | None = None
 _address = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` (the programs' shared flag; read it with :func:`port_from_env` as
+    the fallback)."""
+
+    def port(text: str) -> int:
+        value = int(text)
+        if not 0 <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free one), not {text}")
+        return value
+
+    parser.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; default: "
+        "$RPCDIST_METRICS_PORT, else off)",
+    )
 
 
 def port_from_env() -> int | None:

@@ -97,21 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=defaults.max_keys,
         help=f"keys the store may hold; requests adding more are refused (default: {defaults.max_keys})",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=None,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port; default: "
-        "$RPCDIST_METRICS_PORT, else off)",
-    )
+    metrics.add_arguments(parser)
     return parser.parse_args(argv)
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free one), not {text}")
-    return value
 
 
 def _positive_int(text: str) -> int:

@@ -128,18 +128,19 @@ def _scrape_text(url: str) -> str:
 def test_programs_take_metrics_port(start_worker: Any) -> None:  # noqa: F811 - the imported fixture
     """rpcdist-server --metrics-port counts the store's requests; rpcdist-worker --metrics-port
     serves the worker's own metrics; both print where."""
-    store_port = free_port()  # both start at once: the worker waits for the store to come up
+    store_port = free_port()
     command = [*server_command(), "--host", "127.0.0.1", "--port", str(store_port), "--metrics-port", "0"]
     server = subprocess.Popen([*command, "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
     try:
-        worker = start_worker(
-            "--name", "lone", "--rank", "0", "--world-size", "1",
-            "--init-method", f"tcp://127.0.0.1:{store_port}", "--metrics-port", "0",
-        )  # fmt: skip
+        # The store first: a worker of rank 0 that finds the port free serves a store itself.
         assert server.stdout is not None
         listening, serving = server.stdout.readline(), server.stdout.readline()
         assert listening.startswith("rpcdist-server listening on "), listening
         assert serving.startswith("rpcdist-server metrics on http://"), serving
+        worker = start_worker(
+            "--name", "lone", "--rank", "0", "--world-size", "1",
+            "--init-method", f"tcp://127.0.0.1:{store_port}", "--metrics-port", "0",
+        )  # fmt: skip
         worker.wait_for("rpcdist-worker lone metrics on http://")
         worker_url = worker.stdout().split("metrics on ", 1)[1].split()[0]
         assert 'rpcdist_rpc_calls_in_flight{worker="lone"} 0.0' in _scrape_text(worker_url)
