@@ -54,6 +54,7 @@ __all__ = [
     "to_environment",
     "job_token_path",
     "new_token",
+    "job_token_for",
     "publish_job_token",
     "read_job_token",
     "withdraw_job_token",
@@ -357,6 +358,20 @@ def job_token_path(port: int) -> str:
 def new_token() -> str:
     """A fresh random token (256 bits)."""
     return secrets.token_urlsafe(32)
+
+
+_job_tokens: dict[int, str] = {}  # port -> the token this process's stores on it made
+
+
+def job_token_for(port: int) -> str:
+    """The token a store this process serves on ``port`` makes for its job: fresh the first
+    time, the same again for the next store on that port (init_rpc after init_process_group,
+    or again after shutdown, is one job: a member that read the previous store's token file
+    just before it went keeps a token that still opens the next one and its links)."""
+    token = _job_tokens.get(port)
+    if token is None:
+        token = _job_tokens[port] = new_token()
+    return token
 
 
 def publish_job_token(port: int, token: str) -> None:

@@ -56,6 +56,7 @@ from rpcdist import metrics
 from rpcdist.errors import StoreError, StoreTimeoutError, StoreValueError
 from rpcdist.security import (
     Security,
+    job_token_for,
     new_token,
     publish_job_token,
     server_interceptors,
@@ -396,13 +397,14 @@ class StoreServer:
         another server, or if its files are corrupt (naming the file and offset).
 
         ``security`` (default: none) gives the token every call must carry and the TLS files.
-        ``job_token=True`` on a loopback address without a token makes a fresh one and leaves
-        it in this user's private directory for the job's members (see
+        ``job_token=True`` on a loopback address without a token makes one (the one this
+        process made for the port before, if any: see :func:`rpcdist.security.job_token_for`)
+        and leaves it in this user's private directory for the job's members (see
         :func:`rpcdist.security.read_job_token`); it is removed when the server stops.
         """
         security = security or Security()
         if job_token and security.token is None:
-            security = security.with_token(new_token())
+            security = security.with_token(job_token_for(port) if port else new_token())
         else:
             job_token = False
         if data_dir is not None:
