@@ -314,20 +314,39 @@ def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(_CALLBACK_THREADS, thread_name_prefix="rpcdist-then")
 
 
-os.register_at_fork(after_in_child=_callback_pool.cache_clear)  # a child has none of its threads
+_stopping: list[concurrent.futures.ThreadPoolExecutor] = []  # told to stop, not yet waited for
+
+
+def _forget_threads_in_child() -> None:
+    _callback_pool.cache_clear()
+    _stopping.clear()
+
+
+os.register_at_fork(after_in_child=_forget_threads_in_child)  # a child has none of its threads
 
 
 def stop_callback_threads(timeout: float | None = None) -> None:
-    """End the threads that run ``then`` callbacks (RPC shutdown calls it; they are made again
-    on next use). ``timeout``: seconds to wait for running callbacks (None: do not wait)."""
-    if not _callback_pool.cache_info().currsize:
+    """End the threads that run ``then`` callbacks (RPC shutdown and destroy_process_group call
+    it; they are made again on next use). ``timeout``: seconds to wait for running callbacks,
+    also of pools an earlier call stopped without waiting (None: do not wait)."""
+    pools = list(_stopping)
+    if _callback_pool.cache_info().currsize:
+        pools.append(_callback_pool())
+        _callback_pool.cache_clear()
+    if not pools:
         return
-    pool = _callback_pool()
-    _callback_pool.cache_clear()
     if timeout is None:
-        pool.shutdown(wait=False)
+        for pool in pools:
+            pool.shutdown(wait=False)
+        _stopping[:] = pools  # a later call with a timeout waits for them
         return
-    stopper = threading.Thread(target=pool.shutdown, name="then-callbacks-stop", daemon=True)
+    _stopping.clear()
+
+    def stop_all() -> None:
+        for pool in pools:
+            pool.shutdown(wait=True)
+
+    stopper = threading.Thread(target=stop_all, name="then-callbacks-stop", daemon=True)
     stopper.start()
     stopper.join(timeout)
 

@@ -371,6 +371,7 @@ async def destroy_process_group_async() -> None:
             metrics.release()
         set_state(None)
         GroupMember.WORLD = None
+        stop_callback_threads()  # then() callbacks of the group's futures (waited for by the blocking form)
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: float | timedelta | None = None, **_: Any) -> Any:
