@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from rpcdist._runtime import match_torch_threads
 from rpcdist.errors import BlockingCallError
 
 log = logging.getLogger(__name__)
@@ -311,7 +312,9 @@ _CALLBACK_THREADS = 32  # threads for then() callbacks of futures completed on a
 
 @functools.cache
 def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(_CALLBACK_THREADS, thread_name_prefix="rpcdist-then")
+    return concurrent.futures.ThreadPoolExecutor(
+        _CALLBACK_THREADS, thread_name_prefix="rpcdist-then", initializer=match_torch_threads
+    )
 
 
 _stopping: list[concurrent.futures.ThreadPoolExecutor] = []  # told to stop, not yet waited for

@@ -118,6 +118,32 @@ def whoami() -> str:
     return rpc.get_worker_info().name
 
 
+def set_torch_threads_elsewhere(n: int) -> int:
+    """torch.set_num_threads(n) from a short-lived thread: the process-wide setting changes,
+    but no running thread's own OpenMP team size does. Returns the previous setting."""
+    before = torch.get_num_threads()
+    setter = threading.Thread(target=torch.set_num_threads, args=(n,))
+    setter.start()
+    setter.join()
+    return before
+
+
+def openmp_team_size(hold: float = 0.0) -> tuple[str, int | None]:
+    """(the name of the thread running this call, its OpenMP team size (omp_get_max_threads):
+    what a matrix product started here would use; None when torch's OpenMP is not found)."""
+    import ctypes
+
+    time.sleep(hold)  # keep this pool thread busy so concurrent calls get others
+    with open("/proc/self/maps") as maps:
+        libraries = sorted({line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line})
+    name = threading.current_thread().name
+    return name, int(ctypes.CDLL(libraries[0]).omp_get_max_threads()) if libraries else None
+
+
+def thread_names() -> list[str]:
+    return [t.name for t in threading.enumerate()]
+
+
 def peer_names(world_size: int) -> list[str]:
     """The names of ranks 0..world_size-1 as this worker knows them."""
     return [rpc.get_worker_info(f"w{r}").name for r in range(world_size)]

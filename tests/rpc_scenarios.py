@@ -435,6 +435,25 @@ def _transport_checks() -> None:  # noqa: C901 - a list of independent checks
 
 
 def _api_checks() -> None:  # noqa: C901 - a list of independent checks
+    with check("torch_threads_on_callee"):
+        # The pool threads a callee starts after torch.set_num_threads(n) run matrix products
+        # with n threads: with n=1 (torchrun's setting for several processes per machine) they
+        # must not start a team of one thread per core. (These workers start with
+        # OMP_NUM_THREADS=1, so the check changes the setting to 2 and back.)
+        before = rpc.rpc_sync("w1", rf.set_torch_threads_elsewhere, (1,), timeout=CALL_TIMEOUT)
+        wanted = 2 if before == 1 else 1
+        try:
+            rpc.rpc_sync("w1", rf.set_torch_threads_elsewhere, (wanted,), timeout=CALL_TIMEOUT)
+            existing = set(rpc.rpc_sync("w1", rf.thread_names, timeout=CALL_TIMEOUT))
+            calls = [rpc.rpc_async("w1", rf.openmp_team_size, (0.5,), timeout=CALL_TIMEOUT) for _ in range(6)]
+            sizes = dict(f.wait() for f in calls)
+        finally:
+            rpc.rpc_sync("w1", rf.set_torch_threads_elsewhere, (before,), timeout=CALL_TIMEOUT)
+        started = {name: size for name, size in sizes.items() if name not in existing}
+        assert started, f"no pool thread started for 6 concurrent calls: {sizes}"
+        if None not in started.values():
+            assert set(started.values()) == {wanted}, f"team sizes of w1's new pool threads: {started}"
+
     with check("concurrency_1000"):
         n = 1000
         futures = [

@@ -93,6 +93,10 @@ def test_1_gib_tensor_round_trip(transport: GroupRun) -> None:
     transport.check("large_1gib")
 
 
+def test_callee_threads_follow_torch_set_num_threads(run: GroupRun) -> None:
+    run.check("torch_threads_on_callee")
+
+
 def test_1000_calls_in_flight(run: GroupRun) -> None:
     run.check("concurrency_1000")
 

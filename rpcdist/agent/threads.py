@@ -1,7 +1,9 @@
 """Threads around the agent's event loop: an inbox that runs callables on the loop, and the pool
 that runs blocking user functions.
 
-Both coalesce wake-ups: under load, many items cost one ``call_soon_threadsafe``.
+Both coalesce wake-ups: under load, many items cost one ``call_soon_threadsafe``. Every thread
+rpcdist starts runs torch ops with the process's intra-op thread count
+(:func:`rpcdist._runtime.match_torch_threads`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from rpcdist._runtime import match_torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class WorkerPool:
         self._jobs.put(job)
 
     def _work(self) -> None:
+        match_torch_threads()
         jobs = self._jobs
         while True:
             job = jobs.get()
