@@ -143,6 +143,9 @@ class Callee:
             if job is not None:
                 job.cancel()
             return
+        if header.kind == frames.NOTIFY:
+            self._on_notice(session, header, buffers)
+            return
         if header.kind != frames.REQUEST:
             return
         function = header.function
@@ -190,6 +193,27 @@ class Callee:
                 self._run_blocking, session, call_id, function, func, args, kwargs, job, deadline
             )
             agent.pool.submit(blocking if run_in is None else functools.partial(run_in.run, blocking))
+
+    def _on_notice(self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception) -> None:
+        """Run a NOTIFY (one of rpcdist's own inline handlers) now; nothing goes back."""
+        if header.caller_rank != session.caller_rank:
+            session.identify(header.caller_rank)
+        try:
+            if isinstance(buffers, Exception):
+                raise buffers
+            func, args, kwargs, *_ = self.agent.decode(header.payload, buffers)
+            if not is_inline(func):
+                raise RpcError(f"a notice may only run one of rpcdist's own handlers, not {header.function}")
+            func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - its sender does not wait for an answer
+            log.warning(
+                "%s: notice %s from %s failed: %s: %s",
+                self.agent.info.name,
+                header.function,
+                session.peer_name,
+                type(exc).__name__,
+                exc,
+            )
 
     def _run_inline(
         self,
