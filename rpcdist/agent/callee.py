@@ -41,9 +41,10 @@ class InboundSession:
         self.callee = callee
         self.writer = writer
         self.assemblies: dict[int, frames.Assembly] = {}
-        self.running: dict[int, Any] = {}  # call_id -> asyncio.Task, asyncio.Future or _ThreadJob
-        self.idle = asyncio.Event()
-        self.idle.set()
+        # call_id -> asyncio.Task, asyncio.Future or _ThreadJob. Added to on the loop; a pool
+        # thread that answered its call itself removes it (see untrack).
+        self.running: dict[int, Any] = {}
+        self._idle_waiter: asyncio.Future[None] | None = None  # finish() waiting for running to empty
         self.caller_rank = -1
         self.peer_name = ""  # the caller's name, once its first request has told its rank
         self.traffic: metrics.Traffic | None = None  # its byte counters, while metrics are on
@@ -73,7 +74,15 @@ class InboundSession:
 
     async def finish(self) -> None:
         """The caller is done sending: finish its calls, then flush the replies."""
-        await self.idle.wait()
+        loop = asyncio.get_running_loop()
+        while True:
+            # The waiter exists before running is looked at: a thread that empties it after
+            # this look sees the waiter and wakes it.
+            waiter = self._idle_waiter = loop.create_future()
+            if not self.running:
+                break
+            await waiter
+        self._idle_waiter = None
         await self.writer.close()
 
     def cleanup(self) -> None:
@@ -94,12 +103,13 @@ class InboundSession:
 
     def track(self, call_id: int, job: Any) -> None:
         self.running[call_id] = job
-        self.idle.clear()
 
     def untrack(self, call_id: int) -> None:
+        """The call ended (any thread)."""
         self.running.pop(call_id, None)
-        if not self.running:
-            self.idle.set()
+        waiter = self._idle_waiter
+        if waiter is not None and not self.running:
+            self.callee.agent.loop.call_soon_threadsafe(_settle, waiter)
 
 
 class _ThreadJob:
@@ -288,11 +298,16 @@ class Callee:
             inbox.post(lambda: self._finish_later(session, call_id, function, result))
             return
         try:
-            entries = self._encode_result(session, call_id, function, result)
+            entries = list(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
-        inbox.post(lambda: self._finish(session, call_id, function, entries))
+        if session.writer.write_now(entries):  # answered from this thread, the loop not woken
+            session.untrack(call_id)
+            if session.arrivals:  # metrics are on: counted on the loop
+                inbox.post(lambda: self._served(session, call_id, function, True))
+            return
+        inbox.post(lambda: self._finish(session, call_id, function, iter(entries)))
 
     def _skip(self, session: InboundSession, call_id: int) -> None:
         session.untrack(call_id)
