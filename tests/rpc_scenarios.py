@@ -852,6 +852,26 @@ def _error_checks_rank0() -> None:  # noqa: C901 - a list of independent checks
             rpc.rpc_sync("w1", rf.async_sleep_recorded, ("t-explicit", 5.0), timeout=0.5)
         assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"
 
+    with check("timeout/sent_from_this_thread") as c:
+        # A small call from a plain thread to a peer with an open link is written by the thread
+        # itself and its timeout kept by the loop's sweep: it still fails on time, and the
+        # callee is told to cancel.
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"  # the link is open
+        started = time.monotonic()
+        with raises(RpcTimeoutError):
+            rpc.rpc_sync("w1", rf.async_sleep_recorded, ("t-from-thread", 30.0), timeout=1.5)
+        c.value = elapsed = time.monotonic() - started
+        assert 1.5 <= elapsed < 3.5, f"timed out after {elapsed:.2f} s (timeout 1.5 s)"
+        wait_until(
+            lambda: rpc.rpc_sync("w1", rf.get_state, ("t-from-thread",), timeout=CALL_TIMEOUT) != ["started"],
+            15,
+            "the timed-out call to be cancelled",
+        )
+        assert rpc.rpc_sync("w1", rf.get_state, ("t-from-thread",), timeout=CALL_TIMEOUT) == [
+            "started",
+            "cancelled",
+        ]
+
     with check("timeout/async_cancelled") as c:
         for to in TARGETS:
             key = f"cancel-me-{to}"
@@ -1369,9 +1389,10 @@ def etcd_job_through_member_loss(
     store.set(f"looping/{rank}", b"1")
     while True:
         rounds += 1
-        assert rpc.rpc_sync(peer, torch.add, (torch.ones(2), rounds), timeout=CALL_TIMEOUT).tolist() == [
-            1.0 + rounds
-        ] * 2
+        assert (
+            rpc.rpc_sync(peer, torch.add, (torch.ones(2), rounds), timeout=CALL_TIMEOUT).tolist()
+            == [1.0 + rounds] * 2
+        )
         adds.append(store.add("counter", 1))
         store.set(f"round/{rank}", str(rounds))
         store.wait([f"round/{peer}"], timeout=CALL_TIMEOUT)

@@ -44,6 +44,10 @@ def test_timed_out_async_function_is_cancelled(run: GroupRun) -> None:
     assert run.check("timeout/async_cancelled") == ["started", "cancelled"]
 
 
+def test_timeout_of_a_call_its_thread_wrote_itself(run: GroupRun) -> None:
+    run.check("timeout/sent_from_this_thread")
+
+
 def test_default_timeout_from_options(run: GroupRun) -> None:
     message = run.check("timeout/default", rank=1)
     assert "2 s" in message, message

@@ -5,6 +5,12 @@ then hands the call to the loop, which numbers it, queues its frames on the peer
 arms its timeout. A reply completes the call's Future with the result or the rebuilt remote
 exception; a timeout fails it with RpcTimeoutError and asks the callee to cancel; the loss
 of the link fails every call pending on it with WorkerUnavailableError.
+
+A small call made from a thread other than the loop's, to a peer whose socket link is open and
+idle, is written by that thread itself (see ``FrameWriter.write_now``): the loop is not woken
+to send it. Its timeout is then kept by a sweep on the loop (every ``SWEEP_SECONDS`` while such
+calls are pending) instead of a timer of its own, so only timeouts of at least
+``DIRECT_MIN_TIMEOUT`` seconds (or none) take this path.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import collections
 import itertools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,6 +44,9 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from rpcdist.agent.core import Agent
 
+SWEEP_SECONDS = 0.1
+DIRECT_MIN_TIMEOUT = 1.0
+
 
 class OutgoingCall:
     """One call in flight: what to send, and the Future that waits for its reply."""
@@ -55,6 +65,7 @@ class OutgoingCall:
         "call_id",
         "sent",
         "metric",
+        "deadline",
     )
 
     def __init__(
@@ -79,6 +90,7 @@ class OutgoingCall:
         self.call_id = 0
         self.sent = False  # on the wire (counted in the peer's in-flight calls)
         self.metric: metrics.CallTimer | None = None  # set while metrics are on
+        self.deadline = 0.0  # time.monotonic() it times out at, when the sweep keeps its timeout
 
 
 class Caller(LinkHandler):
@@ -89,13 +101,16 @@ class Caller(LinkHandler):
         # counting at shutdown frees its servers and channels (and grpc's poller thread) at once.
         self._agent: Agent = weakref.proxy(agent)
         self._call_ids = itertools.count(1)
+        # Added to on the loop, and by threads that send their calls themselves.
         self.pending: dict[int, OutgoingCall] = {}
-        self.no_pending = asyncio.Event()
-        self.no_pending.set()
         # Backpressure: calls on the wire per peer rank, and the calls waiting for a free place
         # (in order) once a peer has max_inflight_calls_per_peer of them.
         self.in_flight: dict[int, int] = {}
         self.waiting: dict[int, collections.deque[OutgoingCall]] = {}
+        # Guards in_flight and the sweep's state against threads sending calls themselves.
+        self._lock = threading.Lock()
+        self._sweeping = False  # the sweep of deadlines runs (or is about to)
+        self._idle_waiter: asyncio.Future[None] | None = None  # wait_idle() waiting for pending to empty
 
     # ------------------------------------------------------------------ sending
     def submit(
@@ -125,11 +140,78 @@ class Caller(LinkHandler):
         call = OutgoingCall(dest, name, payload, buffers, timeout, future)
         call.undo = undo
         call.shared = agent.transport.share(dest.id, buffers, call.lent)
-        if threading.get_ident() == agent.loop_thread_id and not agent.inbox.pending:
-            self._start(call)
-        else:  # through the inbox, behind calls other threads submitted earlier: order holds
+        if threading.get_ident() == agent.loop_thread_id:
+            if agent.inbox.pending:  # behind calls other threads submitted earlier: order holds
+                agent.inbox.post(lambda: self._start(call))
+            else:
+                self._start(call)
+        elif not self._send_from_thread(call):
             agent.inbox.post(lambda: self._start(call))
         return future
+
+    def _send_from_thread(self, call: OutgoingCall) -> bool:
+        """Write ``call`` from this (non-loop) thread if its link is open and idle, nothing
+        this process submitted waits for the loop, and it is small; False: nothing was done."""
+        agent = self._agent
+        rank = call.dest.id
+        timeout = call.timeout
+        if (
+            agent.closing
+            or agent.inbox.pending
+            or call.shared
+            or metrics.current is not None
+            or 0 < timeout < DIRECT_MIN_TIMEOUT
+        ):
+            return False
+        link = agent.transport.existing_link(rank)
+        if link is None or link.writer.direct is None:
+            return False
+        call.call_id = call_id = next(self._call_ids)
+        entries = list(self._encode(call))
+        with self._lock:
+            if (
+                self.waiting.get(rank)
+                or self.in_flight.get(rank, 0) >= agent.options.max_inflight_calls_per_peer
+            ):
+                return False
+            if timeout > 0:
+                call.deadline = time.monotonic() + timeout
+            call.sent = True
+            self.pending[call_id] = call
+            self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
+            wake_sweep = timeout > 0 and not self._sweeping
+            if wake_sweep:
+                self._sweeping = True
+        if not link.writer.write_now(entries):
+            with self._lock:
+                del self.pending[call_id]
+                self.in_flight[rank] -= 1
+                call.sent = False
+                call.deadline = 0.0
+            if wake_sweep:
+                agent.loop.call_soon_threadsafe(self._sweep)  # it stops itself if nothing is left
+            return False
+        call.payload, call.buffers = b"", []  # on the wire
+        if wake_sweep:
+            agent.loop.call_soon_threadsafe(self._sweep)
+        return True
+
+    def _sweep(self) -> None:
+        """Time out the calls threads sent themselves whose deadline passed; again in
+        SWEEP_SECONDS while any such call is pending (loop only)."""
+        now = time.monotonic()
+        expired = [
+            call_id
+            for call_id, call in list(self.pending.items())
+            if 0 < call.deadline <= now and call.timer is None
+        ]
+        for call_id in expired:
+            self._expire(call_id)
+        with self._lock:
+            self._sweeping = any(call.deadline > 0 for call in list(self.pending.values()))
+            if not self._sweeping:
+                return
+        self._agent.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     def notify(
         self, to: str | int | WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...], function_name: str
@@ -180,7 +262,6 @@ class Caller(LinkHandler):
         if self.in_flight.get(rank, 0) >= agent.options.max_inflight_calls_per_peer:
             # Wait for a reply from that peer; the timeout already runs.
             self.pending[call_id] = call
-            self.no_pending.clear()
             self.waiting.setdefault(rank, collections.deque()).append(call)
             if call.timeout > 0:
                 call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
@@ -191,31 +272,31 @@ class Caller(LinkHandler):
             self._abandon(call, WorkerUnavailableError(f"cannot reach {call.dest.name}: {exc}"))
             return
         self.pending[call_id] = call
-        self.no_pending.clear()
         if metrics.current is not None and call.metric is None:
             call.metric = metrics.current.call_started(call.function, call.dest.name)
         if call.timeout > 0 and call.timer is None:
             call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
         self._send(link, call)
 
-    def _send(self, link: Link, call: OutgoingCall) -> None:
+    def _encode(self, call: OutgoingCall) -> Any:
         agent = self._agent
-        call_id = call.call_id
-        call.sent = True
-        self.in_flight[call.dest.id] = self.in_flight.get(call.dest.id, 0) + 1
-        link.send(
-            frames.encode_message(
-                call_id,
-                frames.REQUEST,
-                call.payload,
-                call.buffers,
-                chunk_bytes=agent.options.chunk_bytes,
-                timeout_seconds=call.timeout,
-                function=call.function,
-                caller_rank=agent.info.id,
-                shared=call.shared,
-            )
+        return frames.encode_message(
+            call.call_id,
+            frames.REQUEST,
+            call.payload,
+            call.buffers,
+            chunk_bytes=agent.options.chunk_bytes,
+            timeout_seconds=call.timeout,
+            function=call.function,
+            caller_rank=agent.info.id,
+            shared=call.shared,
         )
+
+    def _send(self, link: Link, call: OutgoingCall) -> None:
+        call.sent = True
+        with self._lock:
+            self.in_flight[call.dest.id] = self.in_flight.get(call.dest.id, 0) + 1
+        link.send(self._encode(call))
         call.payload, call.buffers = b"", []  # the writer holds them now
 
     def _ended(self, call: OutgoingCall) -> None:
@@ -223,11 +304,12 @@ class Caller(LinkHandler):
         if not call.sent:
             return
         rank = call.dest.id
-        count = self.in_flight.get(rank, 1) - 1
-        if count > 0:
-            self.in_flight[rank] = count
-        else:
-            self.in_flight.pop(rank, None)
+        with self._lock:
+            count = self.in_flight.get(rank, 1) - 1
+            if count > 0:
+                self.in_flight[rank] = count
+            else:
+                self.in_flight.pop(rank, None)
         queue = self.waiting.get(rank)
         if not queue or self._agent.closing:
             return
@@ -247,8 +329,24 @@ class Caller(LinkHandler):
             self._send(link, queued)
         if not queue:
             self.waiting.pop(rank, None)
-        if not self.pending:
-            self.no_pending.set()
+        self._check_idle()
+
+    async def wait_idle(self) -> None:
+        """Return once no call is pending (loop only)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            # The waiter exists before pending is looked at: whoever empties it later sees it.
+            waiter = self._idle_waiter = loop.create_future()
+            if not self.pending:
+                break
+            await waiter
+        self._idle_waiter = None
+
+    def _check_idle(self) -> None:
+        """Wake wait_idle() if no call is pending any more (loop only)."""
+        waiter = self._idle_waiter
+        if waiter is not None and not self.pending and not waiter.done():
+            waiter.set_result(None)
 
     def _abandon(self, call: OutgoingCall, error: BaseException) -> None:
         """The call never left: give back what it took and fail it."""
@@ -284,8 +382,7 @@ class Caller(LinkHandler):
             run_undo(call.undo)  # it never left: give back what it carried
             call.undo, call.payload, call.buffers = [], b"", []
         self._ended(call)
-        if not self.pending:
-            self.no_pending.set()
+        self._check_idle()
         if call.metric is not None:
             call.metric.failed(error)
         call.future._try_complete(None, error)
@@ -320,8 +417,7 @@ class Caller(LinkHandler):
             if call.timer is not None:
                 call.timer.cancel()
             self._ended(call)
-            if not self.pending:
-                self.no_pending.set()
+            self._check_idle()
             if isinstance(buffers, Exception):
                 self._complete(
                     call, None, RpcError(f"cannot receive the result of {call.function}: {buffers}")

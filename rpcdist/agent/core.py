@@ -158,7 +158,7 @@ class Agent:
     async def wait_for_outstanding(self, timeout: float | None) -> None:
         """Wait until every call this worker made has completed (or ``timeout`` passes)."""
         try:
-            await asyncio.wait_for(self.caller.no_pending.wait(), timeout)
+            await asyncio.wait_for(self.caller.wait_idle(), timeout)
         except asyncio.TimeoutError:
             log.warning(
                 "%s: %d calls still outstanding at shutdown", self.info.name, len(self.caller.pending)
