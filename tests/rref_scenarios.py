@@ -321,6 +321,24 @@ def _passing() -> None:  # noqa: C901 - a list of independent checks
                 got = rpc.rpc_sync(worker, rrf.describe_kept, (f"pass/chain/{name}",), timeout=CALL_TIMEOUT)
                 assert got["list"][0]["rref"]["value"] == value_list(value), (worker, got)
 
+    with check("pass/confirmed_inside_call") as c:
+        # As torch: a function runs only once the owners have confirmed the user RRefs its
+        # arguments brought (each call brings w1 new ones, owned by w2 and by w0).
+        def fresh() -> list[rpc.RRef[Any]]:
+            return [rpc.remote("w2", rrf.make_value, (1,)), rpc.RRef(rrf.make_value(2))]
+
+        env = rpc.remote("w1", rrf.make_env, (0.0,))
+        c.value = seen = {
+            "rpc_sync": rpc.rpc_sync("w1", rrf.confirmed, (fresh(),), timeout=CALL_TIMEOUT),
+            "async_def": rpc.rpc_sync("w1", rrf.confirmed_async, (fresh(),), timeout=CALL_TIMEOUT),
+            "rpc_async": rpc.rpc_async("w1", rrf.confirmed, (fresh(),), timeout=CALL_TIMEOUT).wait(),
+            "remote": rpc.remote("w1", rrf.confirmed, (fresh(),)).to_here(CALL_TIMEOUT),
+            "remote_async_def": rpc.remote("w1", rrf.confirmed_async, (fresh(),)).to_here(CALL_TIMEOUT),
+            "proxy_rpc_sync": env.rpc_sync(CALL_TIMEOUT).confirmed(fresh()),
+            "proxy_remote": env.remote(CALL_TIMEOUT).confirmed(fresh()).to_here(CALL_TIMEOUT),
+        }
+        assert all(v == [True, True] for v in seen.values()), seen
+
     with check("pass/returned_from_remote_function"):
         returned = rpc.rpc_sync("w1", rrf.local_rref, (rrf.make_value(3),), timeout=CALL_TIMEOUT)
         assert returned.owner_name() == "w1" and not returned.is_owner()
@@ -677,6 +695,12 @@ def rref_owner_gone(rank: int, world_size: int, init_method: str, workdir: str, 
         c.value = _expect_owner_error(_to_here_async_wait, rref)
     with check("gone/proxy_raises") as c:
         c.value = _expect_owner_error(_proxy_total, rref)
+    with check("gone/unconfirmable_argument_fails") as c:
+        # w1 never held `slow`: the call waits for w2 to confirm it, and w2 is gone. It fails
+        # with an error naming w2 (no hang), and w1 lets this worker's fork hold go.
+        c.value = _expect_owner_error(rpc.rpc_sync, "w1", rrf.confirmed, ([slow],), None, CALL_TIMEOUT)
+        assert "not confirmed by its owner" in c.value["message"], c.value
+        wait_counts("w0", 10, pending_children=0)  # (w1's release races the error reply)
     with check("gone/drop_after_owner_left") as c:
         # Every RRef to w2's values is dropped here: nothing may stay held for an owner that
         # is gone (not even the hold of a fork sent to it in a call that failed).

@@ -83,6 +83,7 @@ def test_api(main: GroupRun, name: str) -> None:
         "user_to_owner_is_owner_rref",
         "three_workers",
         "returned_from_remote_function",
+        "confirmed_inside_call",
         "all_dropped",
     ],
 )
@@ -157,7 +158,14 @@ def test_failed_value_freed_after_its_error_was_raised(main: GroupRun, name: str
 
 
 @pytest.mark.parametrize(
-    "name", ["in_flight_to_here_fails", "to_here_raises", "to_here_async_raises", "proxy_raises"]
+    "name",
+    [
+        "in_flight_to_here_fails",
+        "to_here_raises",
+        "to_here_async_raises",
+        "proxy_raises",
+        "unconfirmable_argument_fails",
+    ],
 )
 def test_owner_gone(gone: GroupRun, name: str) -> None:
     gone.check("gone/setup")

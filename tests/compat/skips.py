@@ -242,13 +242,6 @@ _HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetchi
 # "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
 KNOWN_FAILURES: dict[str, KnownFailure] = {
     # --- torch/testing/_internal/distributed/rpc/rpc_test.py
-    "RpcTest.test_user_rrefs_confirmed": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "a forked user RRef is confirmed_by_owner() only once the owner has "
-        "registered it; torch runs the call only after that confirmation"
-    ),
-    "RpcTest.test_user_rrefs_confirmed_remote": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "as test_user_rrefs_confirmed, through rpc.remote"
-    ),
     "RpcTest.test_init_pg_then_rpc": KnownFailure(
         KNOWN_FAILURE_PREFIX + "a gloo group and RPC rendezvous on one file:// file: rpcdist's "
         "FileStore has its own file format, so it cannot share torch's FileStore file"
