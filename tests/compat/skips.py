@@ -250,11 +250,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         KNOWN_FAILURE_PREFIX + "as test_init_pg_then_rpc (RPC first, then gloo on the same file: hangs)",
         _HANG_TIMEOUT,
     ),
-    "RpcTest.test_duplicate_name_2": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "only the worker whose name is taken fails at once ('is not unique'); "
-        "torch gathers every name and fails every worker, rpcdist's others wait for it (hangs)",
-        _HANG_TIMEOUT,
-    ),
     "RpcTest.test_nested_rref_stress": KnownFailure(
         KNOWN_FAILURE_PREFIX + "20 nested RRef round trips between 4 workers do not finish "
         "(hangs; not yet diagnosed)",
