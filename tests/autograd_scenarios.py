@@ -125,6 +125,7 @@ def ag_main(rank: int, world_size: int, init_method: str, workdir: str, **_: Any
         _rrefs()
         _reuse()
         _retain_graph()
+        _stealing()
         _errors()
         _optimizers()
         _owner_side_stress()
@@ -329,6 +330,71 @@ def _retain_graph() -> None:
             twice = [*local_grads(cid, params(s1)), *remote_grads("w1", "retain/s2", cid)]
         assert_all_close(expected, once, "after one backward")
         assert_all_close([2 * g for g in expected], twice, "after two backwards")
+
+
+# ---------------------------------------------------------------------------- 7. no gradient copy
+def _stealing() -> None:
+    """torch's gradient stealing on the worker that calls backward: a leaf's first gradient in a
+    context is the very buffer the pass computed when nothing else holds it, a copy otherwise;
+    the values are right either way, and accumulating never writes into someone else's buffer."""
+    with check("steal/own_buffer_kept"):
+        w = af.data(3, 4, 71, requires_grad=True)
+        remote_part = af.data(3, 4, 72, requires_grad=True)
+        af.PassThrough.buffers.clear()
+        with dist_autograd.context() as cid:
+            # w's gradient is computed locally (and its buffer nobody else's); remote_part's
+            # comes through w1 and back
+            y = rpc.rpc_sync("w1", torch.mul, (remote_part, 3.0), timeout=CALL_TIMEOUT)
+            loss = (af.PassThrough.apply(w) * 2.0 + y).sum()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            grads = dist_autograd.get_gradients(cid)
+            kept = grads[w].data_ptr()
+            assert kept == af.PassThrough.buffers[-1], "w's gradient was copied"
+            assert_close(torch.full_like(w, 2.0), grads[w], "w")
+            assert_close(torch.full_like(remote_part, 3.0), grads[remote_part], "remote_part")
+            assert w.grad is None and remote_part.grad is None, ".grad was touched"
+            dist_autograd.backward(cid, [loss], retain_graph=True)  # accumulates in place
+            grads = dist_autograd.get_gradients(cid)
+            assert grads[w].data_ptr() == kept, "the kept gradient was replaced, not accumulated"
+            assert_close(torch.full_like(w, 4.0), grads[w], "w after two backwards")
+            assert_close(torch.full_like(remote_part, 6.0), grads[remote_part], "remote_part after two")
+
+    with check("steal/pass_through_buffer_kept"):
+        a = af.data(5, 6, 73, requires_grad=True)
+        af.PassThrough.buffers.clear()
+        with dist_autograd.context() as cid:
+            loss = af.PassThrough.apply(a)[1][0]  # backward: a fresh one-hot gradient buffer
+            dist_autograd.backward(cid, [loss])
+            grad = dist_autograd.get_gradients(cid)[a]
+            assert grad.data_ptr() == af.PassThrough.buffers[-1], "the gradient was copied"
+            expected = torch.zeros_like(a)
+            expected[1][0] = 1.0
+            assert_close(expected, grad, "a")
+
+    with check("steal/shared_buffer_copied"):
+        a, b = af.data(5, 6, 74, requires_grad=True), af.data(5, 6, 75, requires_grad=True)
+        af.SameGradTwice.buffers.clear()
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [af.SameGradTwice.apply(a, b)[1][0]])
+            grads = dist_autograd.get_gradients(cid)
+            shared = af.SameGradTwice.buffers[-1]
+            assert grads[a].data_ptr() != grads[b].data_ptr(), "two leaves share one gradient buffer"
+            kept = (grads[a].data_ptr(), grads[b].data_ptr())
+            assert shared not in kept, "a buffer given to two leaves was kept for one of them"
+            expected = torch.zeros_like(a)
+            expected[1][0] = 1.0
+            assert_close(expected, grads[a], "a")
+            assert_close(expected, grads[b], "b")
+
+    with check("steal/non_contiguous_copied"):
+        a = af.data(5, 6, 76, requires_grad=True)
+        af.PassThrough.buffers.clear()
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [af.PassThrough.apply(a).sum()])  # an expanded gradient
+            grad = dist_autograd.get_gradients(cid)[a]
+            assert grad.is_contiguous(), "an expanded (non-contiguous) gradient was kept as is"
+            assert grad.data_ptr() != af.PassThrough.buffers[-1], "an expanded gradient was kept"
+            assert_close(torch.ones_like(a), grad, "a")
 
 
 # ---------------------------------------------------------------------------- 8. errors

@@ -91,6 +91,14 @@ def test_retain_graph_twice_accumulates(main: GroupRun) -> None:
     main.check("retain_graph/twice_accumulates")
 
 
+# ============================================================================ 6b. no gradient copy
+@pytest.mark.parametrize(
+    "case", ["own_buffer_kept", "pass_through_buffer_kept", "shared_buffer_copied", "non_contiguous_copied"]
+)
+def test_gradient_stealing_as_torch(main: GroupRun, case: str) -> None:
+    main.check(f"steal/{case}")
+
+
 # ============================================================================ 7. cleanup
 def test_no_context_leaked_after_1000_iterations(main: GroupRun) -> None:
     main.check("cleanup/1000_iterations")

@@ -233,10 +233,6 @@ class KnownFailure(NamedTuple):
     timeout: int | None = None
 
 
-_GRAD_STEALING = (
-    KNOWN_FAILURE_PREFIX + "torch's gradient stealing: the first gradient accumulated in a "
-    "context is the autograd buffer itself (same data_ptr), rpcdist stores a copy"
-)
 _HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetching its stack)
 
 # "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
@@ -285,7 +281,4 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         KNOWN_FAILURE_PREFIX + "profiler events named SendRpcBackward / RecvRpcBackward / "
         "torch::distributed::autograd::backward for a distributed backward pass"
     ),
-    "DistAutogradTest.test_no_grad_copy": KnownFailure(_GRAD_STEALING),
-    "DistAutogradTest.test_no_grad_copy_sparse": KnownFailure(_GRAD_STEALING),
-    "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref": KnownFailure(_GRAD_STEALING),
 }
