@@ -246,17 +246,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         KNOWN_FAILURE_PREFIX + "as test_init_pg_then_rpc (RPC first, then gloo on the same file: hangs)",
         _HANG_TIMEOUT,
     ),
-    "RpcTest.test_nested_rref_stress": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "20 nested RRef round trips between 4 workers do not finish "
-        "(hangs; not yet diagnosed)",
-        _HANG_TIMEOUT,
-    ),
-    "RpcTest.test_rref_forward_chain": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "intermittent (failed in 2 of 4 runs under load, passes alone): one "
-        "to_here() along the 8-deep chain of nested RRefs never completes (worker0 waits in "
-        "to_here, the others in shutdown); not yet diagnosed",
-        20,
-    ),
     "RpcTest.test_profiler_export_trace": KnownFailure(
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
         "exported Chrome trace lacks the remote ops"
