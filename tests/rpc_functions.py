@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import rpcdist.rpc as rpc
+from rpcdist.agent.markers import inline
 from rpcdist.rpc import api as rpc_api
 
 # ----------------------------------------------------------------------------- process state
@@ -116,6 +117,19 @@ async def async_add(a: Any, b: Any) -> Any:
 
 def whoami() -> str:
     return rpc.get_worker_info().name
+
+
+_notices: list[Any] = []
+
+
+@inline
+def take_notice(value: Any) -> None:
+    """An inline handler (as rpcdist's own): sent as a notice by Agent.notify."""
+    _notices.append((value, threading.current_thread().name))
+
+
+def notices() -> list[Any]:
+    return list(_notices)
 
 
 def set_torch_threads_elsewhere(n: int) -> int:

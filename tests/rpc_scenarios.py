@@ -435,6 +435,25 @@ def _transport_checks() -> None:  # noqa: C901 - a list of independent checks
 
 
 def _api_checks() -> None:  # noqa: C901 - a list of independent checks
+    with check("notice_runs_and_answers_nothing"):
+        from rpcdist.agent import current_agent
+
+        agent = current_agent()
+        replies_before = agent.status()["counts"]["calls_in_flight"]
+        for i in range(3):
+            agent.notify("w1", rf.take_notice, (i,), function_name="rpc_functions.take_notice")
+        # A call after them runs after them (one link, in order), on w1's loop thread.
+        got = rpc.rpc_sync("w1", rf.notices, timeout=CALL_TIMEOUT)
+        assert [value for value, _ in got] == [0, 1, 2], got
+        assert {thread for _, thread in got} == {"rpcdist-loop"}, got
+        assert agent.status()["counts"]["calls_in_flight"] == replies_before  # nothing awaited
+        try:
+            agent.notify("w1", rf.whoami, (), function_name="rpc_functions.whoami")
+        except ValueError as exc:
+            assert "inline" in str(exc), exc
+        else:
+            raise AssertionError("a notice of a user function (which may block) was sent")
+
     with check("torch_threads_on_callee"):
         # The pool threads a callee starts after torch.set_num_threads(n) run matrix products
         # with n threads: with n=1 (torchrun's setting for several processes per machine) they

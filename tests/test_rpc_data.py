@@ -93,6 +93,10 @@ def test_1_gib_tensor_round_trip(transport: GroupRun) -> None:
     transport.check("large_1gib")
 
 
+def test_a_notice_runs_on_the_callee_and_answers_nothing(run: GroupRun) -> None:
+    run.check("notice_runs_and_answers_nothing")
+
+
 def test_callee_threads_follow_torch_set_num_threads(run: GroupRun) -> None:
     run.check("torch_threads_on_callee")
 

@@ -110,3 +110,94 @@ def test_aligned_padding_is_plain_protobuf() -> None:
         assert (offset + sum(len(p) for p in entry[:3])) % frames.DATA_ALIGNMENT == 0
         parsed = agent_pb2.Frame.FromString(b"".join(entry)).envelopes[0]
         assert parsed.call_id == 9 and parsed.payload == b"p" and parsed.data == bytes(data)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_messages_written_from_threads_arrive_whole(loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads writing messages themselves (FrameWriter.write_now) while the loop writes
+    others, on a socket with tiny buffers so that direct writes are cut short: every message
+    arrives whole, exactly once, and each thread's messages keep their order."""
+    import socket
+    import threading
+
+    from rpcdist._runtime import new_event_loop
+    from rpcdist.transport.writer import FrameWriter
+
+    if loop_kind == "uvloop":
+        pytest.importorskip("uvloop")
+    else:
+        monkeypatch.setenv("RPCDIST_LOOP", "asyncio")
+    loop = new_event_loop()
+    threads, per_thread = 4, 150
+    expected = (threads + 1) * per_thread
+    received: list[Any] = []
+    all_in = asyncio.Event()
+    cut_short = 0
+
+    def on_frame(raw: bytes | memoryview) -> None:
+        received.extend((env.call_id, bytes(env.payload)) for env in frames.decode_frame(bytes(raw)))
+        if len(received) >= expected:
+            all_in.set()
+
+    def message(source: int, seq: int) -> list[list[bytes | memoryview]]:
+        size = random.Random(source * 100_000 + seq).randrange(16, 60_000)
+        return list(frames.encode_message(source * 1000 + seq, frames.REQUEST, bytes([seq % 251]) * size, []))
+
+    async def run() -> None:
+        nonlocal cut_short
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        _, sender = await loop.connect_accepted_socket(
+            lambda: _FramedProtocol(lambda _: None, lambda: None), a
+        )
+        receiver_transport, _ = await loop.connect_accepted_socket(
+            lambda: _FramedProtocol(on_frame, lambda: None), b
+        )
+        flush = sender._flush_remainder
+
+        def counting_flush() -> None:
+            nonlocal cut_short
+            cut_short += sender._remainder is not None
+            flush()
+
+        sender._flush_remainder = counting_flush  # type: ignore[method-assign]
+        writer = FrameWriter(sender.write, "test", direct=sender.try_write)
+
+        def produce(source: int) -> None:
+            for seq in range(per_thread):
+                entries = message(source, seq)
+                if not writer.write_now(entries):
+                    # Queued on the loop; the next one waits until it is, as an agent's caller
+                    # keeps its order (write_now refuses while anything is queued).
+                    queued = threading.Event()
+                    loop.call_soon_threadsafe(lambda e=entries, q=queued: (writer.send(iter(e)), q.set()))
+                    assert queued.wait(10)
+
+        workers = [threading.Thread(target=produce, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for seq in range(per_thread):  # the loop's own messages meanwhile
+            writer.send(iter(message(threads, seq)))
+            await asyncio.sleep(0)
+        await asyncio.wait_for(all_in.wait(), 60)
+        for worker in workers:
+            worker.join(10)
+        await writer.close()
+        sender.transport.close()
+        receiver_transport.close()
+
+    loop.run_until_complete(run())
+    loop.close()
+    assert len(received) == expected
+    seen: dict[int, list[int]] = {}
+    for call_id, payload in received:
+        source, seq = divmod(call_id, 1000)
+        size = random.Random(source * 100_000 + seq).randrange(16, 60_000)
+        assert payload == bytes([seq % 251]) * size, f"message {source}:{seq} arrived cut or mixed"
+        seen.setdefault(source, []).append(seq)
+    for source in range(threads):
+        assert seen[source] == list(range(per_thread)), f"thread {source}'s order: {seen[source][:20]}..."
+    assert sorted(seen[threads]) == list(range(per_thread))
+    assert cut_short > 0, "no direct write was cut short: the test did not exercise the socket's limit"

@@ -42,9 +42,10 @@ class InboundSession:
         self.callee = callee
         self.writer = writer
         self.assemblies: dict[int, frames.Assembly] = {}
-        self.running: dict[int, Any] = {}  # call_id -> asyncio.Task, asyncio.Future or _ThreadJob
-        self.idle = asyncio.Event()
-        self.idle.set()
+        # call_id -> asyncio.Task, asyncio.Future or _ThreadJob. Added to on the loop; a pool
+        # thread that answered its call itself removes it (see untrack).
+        self.running: dict[int, Any] = {}
+        self._idle_waiter: asyncio.Future[None] | None = None  # finish() waiting for running to empty
         self.caller_rank = -1
         self.peer_name = ""  # the caller's name, once its first request has told its rank
         self.traffic: metrics.Traffic | None = None  # its byte counters, while metrics are on
@@ -74,7 +75,15 @@ class InboundSession:
 
     async def finish(self) -> None:
         """The caller is done sending: finish its calls, then flush the replies."""
-        await self.idle.wait()
+        loop = asyncio.get_running_loop()
+        while True:
+            # The waiter exists before running is looked at: a thread that empties it after
+            # this look sees the waiter and wakes it.
+            waiter = self._idle_waiter = loop.create_future()
+            if not self.running:
+                break
+            await waiter
+        self._idle_waiter = None
         await self.writer.close()
 
     def cleanup(self) -> None:
@@ -95,12 +104,13 @@ class InboundSession:
 
     def track(self, call_id: int, job: Any) -> None:
         self.running[call_id] = job
-        self.idle.clear()
 
     def untrack(self, call_id: int) -> None:
+        """The call ended (any thread)."""
         self.running.pop(call_id, None)
-        if not self.running:
-            self.idle.set()
+        waiter = self._idle_waiter
+        if waiter is not None and not self.running:
+            self.callee.agent.loop.call_soon_threadsafe(_settle, waiter)
 
 
 class _ThreadJob:
@@ -143,6 +153,9 @@ class Callee:
             job = session.running.get(call_id)
             if job is not None:
                 job.cancel()
+            return
+        if header.kind == frames.NOTIFY:
+            self._on_notice(session, header, buffers)
             return
         if header.kind != frames.REQUEST:
             return
@@ -302,11 +315,32 @@ class Callee:
             return
         if timeout > 0:  # what is left of the call's own timeout
             timeout = max(timeout - (time.monotonic() - arrived), 1e-3)
-        # Dispatch before untracking the gate: the session must not look idle in between
-        # (its end waits for idle, then closes the connection).
+        # Dispatch before untracking the gate: the session must never look idle while the
+        # call is still to run (its end waits for no running calls, then closes the connection).
         self._dispatch(session, call_id, function, func, args, kwargs, run_in, timeout)
         if session.running.get(call_id) is gate:
             session.untrack(call_id)
+
+    def _on_notice(self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception) -> None:
+        """Run a NOTIFY (one of rpcdist's own inline handlers) now; nothing goes back."""
+        if header.caller_rank != session.caller_rank:
+            session.identify(header.caller_rank)
+        try:
+            if isinstance(buffers, Exception):
+                raise buffers
+            func, args, kwargs, *_ = self.agent.decode(header.payload, buffers)
+            if not is_inline(func):
+                raise RpcError(f"a notice may only run one of rpcdist's own handlers, not {header.function}")
+            func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - its sender does not wait for an answer
+            log.warning(
+                "%s: notice %s from %s failed: %s: %s",
+                self.agent.info.name,
+                header.function,
+                session.peer_name,
+                type(exc).__name__,
+                exc,
+            )
 
     def _run_inline(
         self,
@@ -381,11 +415,16 @@ class Callee:
             inbox.post(lambda: self._finish_later(session, call_id, function, result))
             return
         try:
-            entries = self._encode_result(session, call_id, function, result)
+            entries = list(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
-        inbox.post(lambda: self._finish(session, call_id, function, entries))
+        if session.writer.write_now(entries):  # answered from this thread, the loop not woken
+            session.untrack(call_id)
+            if session.arrivals:  # metrics are on: counted on the loop
+                inbox.post(lambda: self._served(session, call_id, function, True))
+            return
+        inbox.post(lambda: self._finish(session, call_id, function, iter(entries)))
 
     def _skip(self, session: InboundSession, call_id: int) -> None:
         session.untrack(call_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from rpcdist.errors import (
 )
 from rpcdist.futures import Future
 from rpcdist.transport import Link, LinkHandler, frames, shm
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rpcdist.agent.core import Agent
@@ -127,6 +130,45 @@ class Caller(LinkHandler):
         else:  # through the inbox, behind calls other threads submitted earlier: order holds
             agent.inbox.post(lambda: self._start(call))
         return future
+
+    def notify(
+        self, to: str | int | WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...], function_name: str
+    ) -> None:
+        """Send ``func(*args)`` to ``to`` from any thread, expecting no answer (see
+        ``Agent.notify``). Raises at once on bad input; a lost link drops it silently."""
+        agent = self._agent
+        if agent.closing:
+            raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
+        dest = agent.worker(to)
+        payload, buffers, _ = agent.pickle(
+            (func, tuple(args), {}), f"notice {function_name} to {dest.name}", dest.id
+        )
+        if buffers:
+            raise ValueError(f"a notice carries no tensors or arrays ({function_name} to {dest.name})")
+
+        def start() -> None:
+            if agent.closing:
+                return
+            try:
+                link = agent.transport.link(dest.id)
+            except Exception as exc:  # noqa: BLE001 - a gone peer needs no notice
+                log.debug("notice %s to %s dropped: %s", function_name, dest.name, exc)
+                return
+            link.send(
+                frames.encode_message(
+                    next(self._call_ids),
+                    frames.NOTIFY,
+                    payload,
+                    (),
+                    function=function_name,
+                    caller_rank=agent.info.id,
+                )
+            )
+
+        if threading.get_ident() == agent.loop_thread_id and not agent.inbox.pending:
+            start()
+        else:  # through the inbox: after the calls this thread submitted before it
+            agent.inbox.post(start)
 
     def _start(self, call: OutgoingCall) -> None:
         agent = self._agent

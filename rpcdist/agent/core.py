@@ -234,6 +234,23 @@ class Agent:
         """
         return self.caller.submit(to, func, args, kwargs, timeout, function_name=function_name)
 
+    def notify(
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        *,
+        function_name: str,
+    ) -> None:
+        """Have ``to`` run ``func(*args)`` and answer nothing: for rpcdist's own short loop-side
+        handlers (``@inline``) whose caller does not wait, such as the release of a
+        distributed autograd context. Half the messages of a call; ordered after the calls
+        this thread submitted before; a failure is logged on ``to``; a notice to a peer that
+        is gone is dropped. Small arguments only (no tensors)."""
+        if not is_inline(func):
+            raise ValueError(f"only rpcdist's own inline handlers are sent as notices, not {function_name}")
+        self.caller.notify(to, func, args, function_name)
+
     def on_peer_lost(self, listener: Callable[[WorkerInfo, str], None]) -> None:
         """Call ``listener(peer, reason)`` on the loop whenever the link to a peer is lost
         (it died, left, or the connection broke). Pending calls to it fail on their own; this

@@ -69,28 +69,34 @@ def _release_everywhere(context_id: int) -> None:
     each of them cascades to the workers it involved)."""
     agent = _agent()
     released = _contexts.release(context_id)
-    if released is None:
+    if released is not None:
+        _tell_to_release(agent, context_id, released.workers, ())
+
+
+def _tell_to_release(agent: Agent, context_id: int, workers: set[int], told: tuple[int, ...]) -> None:
+    """Send the release of ``context_id`` to ``workers`` but those already ``told``; each
+    message names everyone told so far, so a worker cascades only to workers nobody told
+    (a parameter server's release does not come back to the trainer that sent it)."""
+    me = agent.info.id
+    targets = sorted(workers - set(told) - {me})
+    if not targets:
         return
-    for rank in sorted(released.workers - {agent.info.id}):
-        try:
-            agent.submit(rank, _release, (context_id,), None, 30.0, function_name="rpcdist.autograd.release")
+    everyone = tuple(sorted({*told, *targets, me}))
+    for rank in targets:
+        try:  # a notice: nobody waits for the release, so nothing needs to come back
+            agent.notify(rank, _release, (context_id, everyone), function_name="rpcdist.autograd.release")
         except Exception as exc:  # noqa: BLE001 - a gone worker has nothing to release
             log.debug("cannot release context %s on rank %s: %s", context_id, rank, exc)
 
 
 @trust
 @inline
-def _release(context_id: int) -> None:
-    """On a worker that took part: forget the context, and tell the workers it involved."""
+def _release(context_id: int, told: tuple[int, ...] = ()) -> None:
+    """On a worker that took part: forget the context, and tell the workers it involved that
+    nobody told yet (``told``: the workers the release was sent to so far, and its sender)."""
     context = _contexts.release(context_id)
-    if context is None:
-        return
-    agent = _agent()
-    for rank in context.workers - {agent.info.id}:
-        try:
-            agent.submit(rank, _release, (context_id,), None, 30.0, function_name="rpcdist.autograd.release")
-        except Exception as exc:  # noqa: BLE001
-            log.debug("cannot cascade release of %s to rank %s: %s", context_id, rank, exc)
+    if context is not None:
+        _tell_to_release(_agent(), context_id, context.workers, told)
 
 
 def _check_args(context_id: object, roots: object) -> None:

@@ -110,6 +110,7 @@ class GrpcStore(Store):
         if job_token is None:  # a process of this user may use its own jobs' stores
             job_token = _is_loopback(host)
         self._job_token = job_token and self._security.token is None
+        self._token_proven = False  # a job token the store has accepted once
         self.host = host
         self.port = int(port)
         self.connect_timeout = to_seconds(connect_timeout, self._timeout)
@@ -149,6 +150,13 @@ class GrpcStore(Store):
                     f"the store at {self._target} is unreachable "
                     f"(no connection within {limit or 0:g} s{hint}){why}"
                 ) from None
+        if self._job_token and not self._token_proven:
+            # Read again now that the store serves (it publishes its token first): the file read
+            # when the channel was made may have been missing or an earlier job's, and a call
+            # with it would be refused (and logged as refused by the store).
+            token = read_job_token(self.port)
+            if token is not None and token != self._security.token:
+                self._security = self._security.with_token(token)
         return self._stub
 
     async def _why_unconnected(self, stub: store_pb2_grpc.StoreStub) -> str:
@@ -207,7 +215,11 @@ class GrpcStore(Store):
             attempt += 1
             sent = self._security.token
             try:
-                return await method(request, timeout=self._deadline(left), metadata=self._security.metadata())
+                response = await method(
+                    request, timeout=self._deadline(left), metadata=self._security.metadata()
+                )
+                self._token_proven = True
+                return response
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.UNAUTHENTICATED and self._job_token:
                     # A store publishes its job token before it serves: a refusal means the

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rpcdist.transport.writer import FrameWriter
+from rpcdist.transport.writer import DirectWrite, FrameWriter
 
 __all__ = ["Accept", "Entries", "Link", "LinkHandler", "PeerAddress", "Session", "SessionFactory", "Write"]
 
@@ -78,9 +78,10 @@ class Session(Protocol):
 SessionFactory = Callable[[FrameWriter], Session]
 """Makes the user's session of a new incoming connection, given the writer of its replies."""
 
-Accept = Callable[[Write], Session]
+Accept = Callable[[Write, DirectWrite | None], Session]
 """What a carrier's server calls for each incoming connection, with the function that writes
-to it (the transport's own session, which answers heartbeats and passes the rest on)."""
+to it and the one that writes from any thread if the carrier has one (the transport's own
+session, which answers heartbeats and passes the rest on)."""
 
 
 class Link(abc.ABC):

@@ -35,7 +35,7 @@ from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, Sessi
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, SERVICE, GrpcLink, exchange_handler
 from rpcdist.transport.tcp_link import TcpLink, serve_tcp
 from rpcdist.transport.unix_link import UnixLink, serve_unix
-from rpcdist.transport.writer import FrameWriter
+from rpcdist.transport.writer import DirectWrite, FrameWriter
 from rpcdist.v1 import agent_pb2  # noqa: F401 - registers the Agent service's descriptor for reflection
 
 ServiceSetup = tuple[str, Callable[[grpc.aio.Server], None]]
@@ -161,10 +161,10 @@ class Transport(LinkHandler):
             )
         return self.port
 
-    def _accept(self, write: Write) -> Session:
+    def _accept(self, write: Write, direct: DirectWrite | None = None) -> Session:
         """The session of an incoming connection: heartbeats answered here, the rest to the
         user's session, both through one writer (so they never write at once)."""
-        return _AnsweringSession(self._make_session, write)
+        return _AnsweringSession(self._make_session, write, direct)
 
     async def _beat(self) -> None:
         """Send heartbeats on quiet links; give up on peers that stay silent too long."""
@@ -390,8 +390,8 @@ class _AnsweringSession:
 
     __slots__ = ("session", "writer")
 
-    def __init__(self, make_session: SessionFactory, write: Write) -> None:
-        self.writer = FrameWriter(write, "inbound")
+    def __init__(self, make_session: SessionFactory, write: Write, direct: DirectWrite | None) -> None:
+        self.writer = FrameWriter(write, "inbound", direct)
         self.session = make_session(self.writer)
 
     def on_frame(self, raw: bytes) -> None:

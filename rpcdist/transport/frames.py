@@ -30,6 +30,7 @@ RESPONSE = agent_pb2.RESPONSE
 ERROR = agent_pb2.ERROR
 CANCEL = agent_pb2.CANCEL
 CHUNK = agent_pb2.CHUNK
+NOTIFY = agent_pb2.NOTIFY
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 

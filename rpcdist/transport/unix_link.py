@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +79,14 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
-        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self.lost: asyncio.Future[str] = self._loop.create_future()
+        # Direct writes from other threads (see try_write): a second handle on the socket, made
+        # once the handshake is done; the tail of a direct write the socket did not take, which
+        # goes out (from the loop) before anything else.
+        self._direct_socket: socket.socket | None = None
+        self._direct_lock = threading.Lock()  # guards _direct_socket against its closing
+        self._remainder: bytes | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -85,6 +94,68 @@ class _FramedProtocol(asyncio.BufferedProtocol):
             self.transport.write(self._hello)  # first, before any frame this side writes
         elif self._admit is not None:
             asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_overdue)
+        else:
+            self._allow_direct_writes()
+
+    def _allow_direct_writes(self) -> None:
+        """Frames may flow now: let other threads write them on a handle of their own (plain
+        sockets only: TLS must go through the transport)."""
+        transport = self.transport
+        if transport is None or transport.get_extra_info("sslcontext") is not None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        try:
+            handle = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError as exc:
+            log.debug("no direct writes on this connection: %s", exc)
+            return
+        handle.setblocking(False)
+        with self._direct_lock:
+            self._direct_socket = handle
+
+    def try_write(self, pieces: list[bytes | memoryview], size: int) -> bool:
+        """Write one frame from any thread, if the socket takes it now: only while the
+        transport holds nothing unsent (so frames keep their order; the caller holds the
+        writer's lock, which the loop's writes take too). False: nothing was written. If the
+        socket takes part of it, the rest goes out from the loop before any other frame."""
+        transport = self.transport
+        if (
+            self._direct_socket is None
+            or self._remainder is not None
+            or transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+        ):
+            return False
+        data = b"".join([_LENGTH.pack(size), *pieces])
+        with self._direct_lock:
+            handle = self._direct_socket
+            if handle is None:
+                return False
+            try:
+                sent = handle.send(data)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:  # broken: the loop's reader reports the loss
+                return False
+        if sent < len(data):
+            self._remainder = data[sent:]
+            self._loop.call_soon_threadsafe(self._flush_remainder)
+        return True
+
+    def _flush_remainder(self) -> None:
+        """Hand the unsent tail of a direct write to the transport (loop only)."""
+        rest, self._remainder = self._remainder, None
+        if rest is not None and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(rest)
+
+    def _close_direct(self) -> None:
+        with self._direct_lock:
+            handle, self._direct_socket = self._direct_socket, None
+        if handle is not None:
+            handle.close()
 
     def _hello_overdue(self) -> None:
         if self._handshake and self.transport is not None and not self.transport.is_closing():
@@ -104,6 +175,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         if self._admit is not None:  # server: check the client's hello
             if self._admit(got):
                 transport.write(ACCEPTED)
+                self._allow_direct_writes()
                 return True
             log.warning("refused a connection: missing or wrong auth token")
             self._refusal = "refused: missing or wrong auth token"
@@ -111,6 +183,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
             transport.close()  # after the verdict is flushed; nothing it sent is decoded
             return False
         if got == ACCEPTED:  # client: the server's verdict
+            self._allow_direct_writes()
             return True
         self._refusal = (
             "the peer refused the connection (UNAUTHENTICATED): missing or wrong auth token"
@@ -182,6 +255,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         return True  # keep our side open to flush replies
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._close_direct()
         self._can_write.set()
         if not self.lost.done():
             self.lost.set_result(self._refusal or (str(exc) if exc else "the connection was closed"))
@@ -198,6 +272,8 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise OSError("connection closed")
+        if self._remainder is not None:  # a direct write's tail goes first
+            self._flush_remainder()
         size = 0
         for piece in pieces:
             size += len(piece)
@@ -234,6 +310,7 @@ class UnixLink(Link):
 
         _, protocol = await self._open(protocol_factory, address)
         self._protocol = protocol
+        self.writer.direct = protocol.try_write  # (refuses until the handshake is done)
         return protocol
 
     async def _open(self, factory: Callable[[], _FramedProtocol], path: str) -> tuple[Any, _FramedProtocol]:
@@ -318,7 +395,7 @@ def connection_factory(accept: Accept, security: Security) -> Callable[[], _Fram
         def on_frame(raw: bytes | memoryview) -> None:
             session = holder.get("session")
             if session is None:  # the first frame after an accepted hello
-                session = holder["session"] = accept(protocol.write)
+                session = holder["session"] = accept(protocol.write, protocol.try_write)
             session.on_frame(raw)
 
         def on_eof() -> None:

@@ -1,8 +1,12 @@
 """The writing half of every link: queued messages go out in batched frames.
 
 Many small envelopes share one write (one gRPC message or one socket write), and a large
-message is interleaved chunk by chunk with the others, so a big tensor sent inline does not
+message is interleaved chunk by chunk with others, so a big tensor sent inline does not
 hold up small calls to the same peer.
+
+On a socket carrier, a thread with a small message ready (a pool thread's result, a caller's
+request) may write it itself when nothing is queued (:meth:`FrameWriter.write_now`): one
+socket write instead of a wake-up of the loop, which would then write it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +29,14 @@ MAX_FRAME_BYTES = 1 << 20
 
 Entries = Iterator[list[bytes | memoryview]]
 
+DirectWrite = Callable[[list[bytes | memoryview], int], bool]
+"""Writes one frame (its pieces and their total size) from any thread, if the carrier can
+right now; False: nothing was written (see ``_FramedProtocol.try_write``)."""
+
+DIRECT_MAX_BYTES = 64 << 10
+"""Messages up to this size may be written by the thread that made them (larger ones go
+through the loop, which streams them chunk by chunk)."""
+
 
 class FrameWriter:
     """Writes queued messages to one link, many small envelopes per write.
@@ -32,8 +45,15 @@ class FrameWriter:
     does not hold up small calls to the same peer.
     """
 
-    def __init__(self, write: Callable[[list[bytes | memoryview]], Any], name: str) -> None:
+    def __init__(
+        self, write: Callable[[list[bytes | memoryview]], Any], name: str, direct: DirectWrite | None = None
+    ) -> None:
         self._write = write
+        # Set (by a socket carrier) once frames may be written from any thread.
+        self.direct = direct
+        # Held by whoever is writing a frame: the writer task (across its write, which may wait
+        # for the socket) or a thread in write_now, so frames never interleave or reorder.
+        self.lock = threading.Lock()
         self._messages: collections.deque[Entries] = collections.deque()
         self._wake = asyncio.Event()
         self._closed = False
@@ -46,6 +66,29 @@ class FrameWriter:
         self._messages.append(entries)
         self._wake.set()
 
+    def write_now(self, entries: list[list[bytes | memoryview]]) -> bool:
+        """From any thread: write this small, complete message (its encoded entries) at once,
+        if the carrier allows it and nothing is queued or being written; else False, and the
+        caller queues it with :meth:`send` (on the loop)."""
+        direct = self.direct
+        if direct is None or self._messages or self._closed:
+            return False
+        pieces = [piece for entry in entries for piece in entry]
+        size = 0
+        for piece in pieces:
+            size += len(piece)
+        if size > DIRECT_MAX_BYTES or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self._messages or self._heartbeat_due or not direct(pieces, size):
+                return False
+        finally:
+            self.lock.release()
+        traffic = self.traffic
+        if traffic is not None:
+            traffic.sent += size
+        return True
+
     def send_heartbeat(self) -> None:
         """Queue one empty frame (a heartbeat, or its answer): it goes out before the next
         batch, so a long message ahead of it delays it by one frame at most."""
@@ -56,9 +99,10 @@ class FrameWriter:
         messages = self._messages
         while True:
             if self._heartbeat_due:
-                self._heartbeat_due = False
-                if not await self._put([]):  # the one frame that is empty
-                    return
+                with self.lock:
+                    self._heartbeat_due = False
+                    if not await self._put([]):  # the one frame that is empty
+                        return
                 continue
             if not messages:
                 if self._closed:
@@ -66,24 +110,31 @@ class FrameWriter:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            pieces: list[bytes | memoryview] = []
-            size = 0
-            while messages and size < MAX_FRAME_BYTES:
-                entry = next(messages[0], None)
-                if entry is None:
-                    messages.popleft()
-                    continue
-                if len(entry) == 4 and len(entry[3]) >= ALIGNED_DATA_BYTES:
-                    entry = align_data(entry, size)  # the receiver may keep it in place
-                pieces += entry
-                size += sum(len(p) for p in entry)
-                if size >= MAX_FRAME_BYTES and len(messages) > 1:
-                    messages.rotate(-1)  # a big message yields its turn after each chunk
-            if pieces:
-                if not await self._put(pieces):
+            with self.lock:  # (a thread in write_now then leaves its message to this task)
+                if not await self._write_batch(messages):
                     return
-                if self.traffic is not None:
-                    self.traffic.sent += size
+
+    async def _write_batch(self, messages: collections.deque[Entries]) -> bool:
+        """Write one frame of queued envelopes; False once the link is gone."""
+        pieces: list[bytes | memoryview] = []
+        size = 0
+        while messages and size < MAX_FRAME_BYTES:
+            entry = next(messages[0], None)
+            if entry is None:
+                messages.popleft()
+                continue
+            if len(entry) == 4 and len(entry[3]) >= ALIGNED_DATA_BYTES:
+                entry = align_data(entry, size)  # the receiver may keep it in place
+            pieces += entry
+            size += sum(len(p) for p in entry)
+            if size >= MAX_FRAME_BYTES and len(messages) > 1:
+                messages.rotate(-1)  # a big message yields its turn after each chunk
+        if pieces:
+            if not await self._put(pieces):
+                return False
+            if self.traffic is not None:
+                self.traffic.sent += size
+        return True
 
     async def _put(self, frame: list[bytes | memoryview]) -> bool:
         """Write one frame; False once the link is gone (its reader fails the calls that were

@@ -15,12 +15,14 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR: _ClassVar[Kind]
     CANCEL: _ClassVar[Kind]
     CHUNK: _ClassVar[Kind]
+    NOTIFY: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 REQUEST: Kind
 RESPONSE: Kind
 ERROR: Kind
 CANCEL: Kind
 CHUNK: Kind
+NOTIFY: Kind
 
 class Frame(_message.Message):
     __slots__ = ("envelopes",)
