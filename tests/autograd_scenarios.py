@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -743,7 +744,60 @@ def ag_owner_exits_first(rank: int, world_size: int, init_method: str, workdir: 
 
 
 # ============================================================================ registration
-SCENARIOS = ("ag_main", "ag_asyncio", "ag_owner_exits_first")
+# ============================================================================ concurrent passes
+CONCURRENT_THREADS = 8
+CONCURRENT_POOL = 2  # each worker's num_worker_threads: far fewer than the passes in flight
+
+
+def ag_concurrent(rank: int, world_size: int, init_method: str, workdir: str, **_: Any) -> None:
+    """torch's test_async_dist_autograd with small pools: rank 0 runs many backward passes at
+    once, each bouncing between w0 and w1 several times; no pool thread may wait for a nested
+    pass (a pass coming back needs one), or the passes deadlock."""
+    init(rank, world_size, init_method, num_worker_threads=CONCURRENT_POOL)
+    if rank == 0:
+        with check("concurrent/backward_passes_finish") as c:
+            results: dict[int, Any] = {}
+            threads = [
+                threading.Thread(target=_concurrent_workload, args=(i, results), daemon=True)
+                for i in range(CONCURRENT_THREADS)
+            ]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 60.0
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            stuck = sum(thread.is_alive() for thread in threads)
+            c.value = {"threads": CONCURRENT_THREADS, "stuck": stuck}
+            assert not stuck, f"{stuck} of {CONCURRENT_THREADS} backward passes never finished (deadlock)"
+            errors = {i: r for i, r in results.items() if isinstance(r, BaseException)}
+            assert not errors, errors
+            assert sorted(results) == list(range(CONCURRENT_THREADS)), sorted(results)
+    finish(rank, world_size)
+
+
+def _concurrent_workload(seed: int, results: dict[int, Any]) -> None:
+    """One pass (torch's _workload_thread), checked against the same ops run locally."""
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        t1 = torch.rand((3, 3), generator=gen, dtype=af.DTYPE, requires_grad=True)
+        t2 = torch.rand((3, 3), generator=gen, dtype=af.DTYPE, requires_grad=True)
+        with dist_autograd.context() as cid:
+            t3 = rpc.rpc_sync("w1", torch.add, (t1, t2), timeout=CALL_TIMEOUT)
+            t4 = rpc.rpc_sync("w1", torch.mul, (t2, t3), timeout=CALL_TIMEOUT)
+            t5 = rpc.rpc_sync("w1", torch.matmul, (t3, t4), timeout=CALL_TIMEOUT)
+            t6 = rpc.rpc_sync("w1", torch.add, (t4, t5), timeout=CALL_TIMEOUT)
+            dist_autograd.backward(cid, [t6.sum()])
+            got = local_grads(cid, [t1, t2])
+        r3 = t1 + t2
+        r4 = t2 * r3
+        expected = reference_grads((r4 + r3 @ r4).sum(), [t1, t2])
+        assert_all_close(expected, got, f"pass {seed}")
+        results[seed] = True
+    except BaseException as exc:  # noqa: BLE001 - reported by the check
+        results[seed] = exc
+
+
+SCENARIOS = ("ag_main", "ag_asyncio", "ag_owner_exits_first", "ag_concurrent")
 
 
 def _register() -> None:

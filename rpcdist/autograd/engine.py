@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rpcdist.agent import current_agent
+from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
 from rpcdist.serialization import trust
@@ -173,11 +174,22 @@ async def _awaitable(future: Any) -> Any:
     return await future
 
 
+async def _all_done(passes: list[Any]) -> None:
+    """Wait (on the loop) for the passes a :func:`backward_from_send` started elsewhere."""
+    if len(passes) == 1:
+        await passes[0]
+    else:
+        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+
+
 @trust
-def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
-    """On the worker that sent a tensor (a pool thread, as a blocking call): continue the
-    backward pass from it. The local graph runs right on this thread (no hop back to the loop
-    between the message and the work); it returns once the passes it started elsewhere did."""
+def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any:
+    """On the worker that sent a tensor (a pool thread): continue the backward pass from it.
+    The local graph runs right on this thread (no hop back to the loop between the message and
+    the work); the call completes once the passes it started elsewhere did, waited for on the
+    loop (``async_execution``): a pool thread blocked in that wait could be the one a nested
+    pass coming back here needs, and many concurrent backward passes (torch's
+    test_async_dist_autograd: 40 threads) would hold every pool thread so, a deadlock."""
     agent = current_agent()
     context = _contexts.lookup(context_id)
     if context is None:
@@ -189,5 +201,7 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Non
         raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
     with _contexts.entered(None):  # the passes it starts are not calls made in the context
         passes = pass_on(agent, context, _local_gradients([tensor], [grad]))
-    for future in passes:
-        future.wait()
+    return _all_done(passes)
+
+
+setattr(backward_from_send, ASYNC_EXECUTION_ATTR, True)  # (returns an awaitable; see above)

@@ -257,11 +257,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile"
     ),
     # --- torch/testing/_internal/distributed/rpc/dist_autograd_test.py
-    "DistAutogradTest.test_async_dist_autograd": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "40 threads of 2 workers each running rpc_sync + backward on worker0 "
-        "deadlock (not yet diagnosed; likely worker0's pool threads all waiting in backward passes)",
-        _HANG_TIMEOUT,
-    ),
     "DistAutogradTest.test_backward_unused_send_function": KnownFailure(
         KNOWN_FAILURE_PREFIX + "torch's FAST-mode backward never completes when an RPC's result is "
         "unused, and the test asserts that hang; rpcdist's backward completes"
