@@ -259,9 +259,14 @@ async def join_group(
         )
     owner = await store.compare_set_async(f"name/{name}", b"", str(rank))
     if owner != str(rank).encode():
-        raise MembershipError(  # torch's wording: "is not unique"
+        message = (  # torch's wording: "is not unique"
             f"worker name {name!r} is not unique: already taken by rank {owner.decode()} (rank {rank})"
         )
+        # As torch, the whole group fails, not only this worker: the others wait for every
+        # rank's card, and this rank's says why the group cannot start.
+        if await store.compare_set_async(f"rank/{rank}", b"", name) == name.encode():
+            await store.set_async(f"address/{rank}", json.dumps({_FAILED: message}))
+        raise MembershipError(message)
     holder = await store.compare_set_async(f"rank/{rank}", b"", name)
     if holder != name.encode():
         raise MembershipError(f"rank {rank} is already taken by worker {holder.decode()!r} (not {name!r})")
@@ -275,13 +280,24 @@ async def join_group(
         raise RendezvousError(
             f"worker {name!r} waited {timeout:.0f} s for ranks {missing} of {world_size} to join"
         ) from None
+    cards = []
+    for r in range(world_size):  # every card first: a failed rank's is read before it goes away
+        remaining = max(1.0, deadline - time.monotonic())
+        cards.append(json.loads(await store.get_async(f"address/{r}", remaining)))
+    failures = [c[_FAILED] for c in cards if _FAILED in c]
+    if failures:
+        raise MembershipError(
+            f"the group cannot start: {'; '.join(failures)} (worker {name!r}, rank {rank}, fails with it)"
+        )
     members = []
-    for r in range(world_size):
+    for r, member_card in enumerate(cards):
         remaining = max(1.0, deadline - time.monotonic())
         member_name = (await store.get_async(f"rank/{r}", remaining)).decode()
-        member_card = json.loads(await store.get_async(f"address/{r}", remaining))
         members.append(Member(member_name, r, member_card))
     return members
+
+
+_FAILED = "failed"  # the key of a card that says why its rank could not join (no address)
 
 
 async def arrive(store: Store, key: str, world_size: int) -> None:

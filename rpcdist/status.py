@@ -70,7 +70,8 @@ async def members(
             if await store.check_async([f"address/{rank}"]):
                 name = (await store.get_async(f"rank/{rank}")).decode()
                 card = json.loads(await store.get_async(f"address/{rank}"))
-                found.append({"rank": rank, "name": name, "address": card["address"]})
+                # a rank that could not join left a card without an address
+                found.append({"rank": rank, "name": name, "address": card.get("address", "")})
             else:
                 found.append({"rank": rank, "name": "", "address": ""})
         return found, client.security

@@ -140,6 +140,36 @@ def failing_stage(name: str, x: torch.Tensor) -> torch.Tensor:
     return FailingBackward.apply(forward(name, x))
 
 
+class PassThrough(torch.autograd.Function):
+    """Identity that notes where the gradient it passes back lives (``buffers``, in order)."""
+
+    buffers: list[int] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        PassThrough.buffers.append(grad.data_ptr())
+        return grad
+
+
+class SameGradTwice(torch.autograd.Function):
+    """``a + b`` whose backward gives both inputs one and the same gradient tensor."""
+
+    buffers: list[int] = []
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        SameGradTwice.buffers.append(grad.data_ptr())
+        return grad, grad
+
+
 class OverlappingSGD(torch.optim.SGD):
     """SGD whose step waits (up to :attr:`WAIT` s) until a second step has started in this
     process: if nothing serializes the steps of several optimizers, two steps overlap for

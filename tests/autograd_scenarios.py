@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -125,6 +126,7 @@ def ag_main(rank: int, world_size: int, init_method: str, workdir: str, **_: Any
         _rrefs()
         _reuse()
         _retain_graph()
+        _stealing()
         _errors()
         _optimizers()
         _owner_side_stress()
@@ -329,6 +331,71 @@ def _retain_graph() -> None:
             twice = [*local_grads(cid, params(s1)), *remote_grads("w1", "retain/s2", cid)]
         assert_all_close(expected, once, "after one backward")
         assert_all_close([2 * g for g in expected], twice, "after two backwards")
+
+
+# ---------------------------------------------------------------------------- 7. no gradient copy
+def _stealing() -> None:
+    """torch's gradient stealing on the worker that calls backward: a leaf's first gradient in a
+    context is the very buffer the pass computed when nothing else holds it, a copy otherwise;
+    the values are right either way, and accumulating never writes into someone else's buffer."""
+    with check("steal/own_buffer_kept"):
+        w = af.data(3, 4, 71, requires_grad=True)
+        remote_part = af.data(3, 4, 72, requires_grad=True)
+        af.PassThrough.buffers.clear()
+        with dist_autograd.context() as cid:
+            # w's gradient is computed locally (and its buffer nobody else's); remote_part's
+            # comes through w1 and back
+            y = rpc.rpc_sync("w1", torch.mul, (remote_part, 3.0), timeout=CALL_TIMEOUT)
+            loss = (af.PassThrough.apply(w) * 2.0 + y).sum()
+            dist_autograd.backward(cid, [loss], retain_graph=True)
+            grads = dist_autograd.get_gradients(cid)
+            kept = grads[w].data_ptr()
+            assert kept == af.PassThrough.buffers[-1], "w's gradient was copied"
+            assert_close(torch.full_like(w, 2.0), grads[w], "w")
+            assert_close(torch.full_like(remote_part, 3.0), grads[remote_part], "remote_part")
+            assert w.grad is None and remote_part.grad is None, ".grad was touched"
+            dist_autograd.backward(cid, [loss], retain_graph=True)  # accumulates in place
+            grads = dist_autograd.get_gradients(cid)
+            assert grads[w].data_ptr() == kept, "the kept gradient was replaced, not accumulated"
+            assert_close(torch.full_like(w, 4.0), grads[w], "w after two backwards")
+            assert_close(torch.full_like(remote_part, 6.0), grads[remote_part], "remote_part after two")
+
+    with check("steal/pass_through_buffer_kept"):
+        a = af.data(5, 6, 73, requires_grad=True)
+        af.PassThrough.buffers.clear()
+        with dist_autograd.context() as cid:
+            loss = af.PassThrough.apply(a)[1][0]  # backward: a fresh one-hot gradient buffer
+            dist_autograd.backward(cid, [loss])
+            grad = dist_autograd.get_gradients(cid)[a]
+            assert grad.data_ptr() == af.PassThrough.buffers[-1], "the gradient was copied"
+            expected = torch.zeros_like(a)
+            expected[1][0] = 1.0
+            assert_close(expected, grad, "a")
+
+    with check("steal/shared_buffer_copied"):
+        a, b = af.data(5, 6, 74, requires_grad=True), af.data(5, 6, 75, requires_grad=True)
+        af.SameGradTwice.buffers.clear()
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [af.SameGradTwice.apply(a, b)[1][0]])
+            grads = dist_autograd.get_gradients(cid)
+            shared = af.SameGradTwice.buffers[-1]
+            assert grads[a].data_ptr() != grads[b].data_ptr(), "two leaves share one gradient buffer"
+            kept = (grads[a].data_ptr(), grads[b].data_ptr())
+            assert shared not in kept, "a buffer given to two leaves was kept for one of them"
+            expected = torch.zeros_like(a)
+            expected[1][0] = 1.0
+            assert_close(expected, grads[a], "a")
+            assert_close(expected, grads[b], "b")
+
+    with check("steal/non_contiguous_copied"):
+        a = af.data(5, 6, 76, requires_grad=True)
+        af.PassThrough.buffers.clear()
+        with dist_autograd.context() as cid:
+            dist_autograd.backward(cid, [af.PassThrough.apply(a).sum()])  # an expanded gradient
+            grad = dist_autograd.get_gradients(cid)[a]
+            assert grad.is_contiguous(), "an expanded (non-contiguous) gradient was kept as is"
+            assert grad.data_ptr() != af.PassThrough.buffers[-1], "an expanded gradient was kept"
+            assert_close(torch.ones_like(a), grad, "a")
 
 
 # ---------------------------------------------------------------------------- 8. errors
@@ -677,7 +744,60 @@ def ag_owner_exits_first(rank: int, world_size: int, init_method: str, workdir: 
 
 
 # ============================================================================ registration
-SCENARIOS = ("ag_main", "ag_asyncio", "ag_owner_exits_first")
+# ============================================================================ concurrent passes
+CONCURRENT_THREADS = 8
+CONCURRENT_POOL = 2  # each worker's num_worker_threads: far fewer than the passes in flight
+
+
+def ag_concurrent(rank: int, world_size: int, init_method: str, workdir: str, **_: Any) -> None:
+    """torch's test_async_dist_autograd with small pools: rank 0 runs many backward passes at
+    once, each bouncing between w0 and w1 several times; no pool thread may wait for a nested
+    pass (a pass coming back needs one), or the passes deadlock."""
+    init(rank, world_size, init_method, num_worker_threads=CONCURRENT_POOL)
+    if rank == 0:
+        with check("concurrent/backward_passes_finish") as c:
+            results: dict[int, Any] = {}
+            threads = [
+                threading.Thread(target=_concurrent_workload, args=(i, results), daemon=True)
+                for i in range(CONCURRENT_THREADS)
+            ]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 60.0
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            stuck = sum(thread.is_alive() for thread in threads)
+            c.value = {"threads": CONCURRENT_THREADS, "stuck": stuck}
+            assert not stuck, f"{stuck} of {CONCURRENT_THREADS} backward passes never finished (deadlock)"
+            errors = {i: r for i, r in results.items() if isinstance(r, BaseException)}
+            assert not errors, errors
+            assert sorted(results) == list(range(CONCURRENT_THREADS)), sorted(results)
+    finish(rank, world_size)
+
+
+def _concurrent_workload(seed: int, results: dict[int, Any]) -> None:
+    """One pass (torch's _workload_thread), checked against the same ops run locally."""
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        t1 = torch.rand((3, 3), generator=gen, dtype=af.DTYPE, requires_grad=True)
+        t2 = torch.rand((3, 3), generator=gen, dtype=af.DTYPE, requires_grad=True)
+        with dist_autograd.context() as cid:
+            t3 = rpc.rpc_sync("w1", torch.add, (t1, t2), timeout=CALL_TIMEOUT)
+            t4 = rpc.rpc_sync("w1", torch.mul, (t2, t3), timeout=CALL_TIMEOUT)
+            t5 = rpc.rpc_sync("w1", torch.matmul, (t3, t4), timeout=CALL_TIMEOUT)
+            t6 = rpc.rpc_sync("w1", torch.add, (t4, t5), timeout=CALL_TIMEOUT)
+            dist_autograd.backward(cid, [t6.sum()])
+            got = local_grads(cid, [t1, t2])
+        r3 = t1 + t2
+        r4 = t2 * r3
+        expected = reference_grads((r4 + r3 @ r4).sum(), [t1, t2])
+        assert_all_close(expected, got, f"pass {seed}")
+        results[seed] = True
+    except BaseException as exc:  # noqa: BLE001 - reported by the check
+        results[seed] = exc
+
+
+SCENARIOS = ("ag_main", "ag_asyncio", "ag_owner_exits_first", "ag_concurrent")
 
 
 def _register() -> None:

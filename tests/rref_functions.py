@@ -60,6 +60,10 @@ class Env:
     def fail(self, message: str) -> None:
         raise RRefTestError(message, 9)
 
+    def confirmed(self, rrefs: list[rpc.RRef[Any]]) -> list[bool]:
+        """As :func:`confirmed`, called through an RRef of this object (``rref.rpc_sync()``)."""
+        return confirmed(rrefs)
+
 
 def make_env(start: float = 0.0) -> Env:
     return Env(start)
@@ -76,6 +80,16 @@ def make_payload(i: int) -> torch.Tensor:
 
 def fail(message: str, code: int) -> None:
     raise RRefTestError(message, code)
+
+
+def confirmed(rrefs: list[rpc.RRef[Any]]) -> list[bool]:
+    """``confirmed_by_owner()`` of each RRef the call brought, as the function sees them."""
+    return [rref.confirmed_by_owner() for rref in rrefs]
+
+
+async def confirmed_async(rrefs: list[rpc.RRef[Any]]) -> list[bool]:
+    """As :func:`confirmed`, in an ``async def`` function (run on the callee's loop)."""
+    return confirmed(rrefs)
 
 
 async def slow_value(seconds: float) -> int:

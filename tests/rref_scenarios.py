@@ -321,6 +321,24 @@ def _passing() -> None:  # noqa: C901 - a list of independent checks
                 got = rpc.rpc_sync(worker, rrf.describe_kept, (f"pass/chain/{name}",), timeout=CALL_TIMEOUT)
                 assert got["list"][0]["rref"]["value"] == value_list(value), (worker, got)
 
+    with check("pass/confirmed_inside_call") as c:
+        # As torch: a function runs only once the owners have confirmed the user RRefs its
+        # arguments brought (each call brings w1 new ones, owned by w2 and by w0).
+        def fresh() -> list[rpc.RRef[Any]]:
+            return [rpc.remote("w2", rrf.make_value, (1,)), rpc.RRef(rrf.make_value(2))]
+
+        env = rpc.remote("w1", rrf.make_env, (0.0,))
+        c.value = seen = {
+            "rpc_sync": rpc.rpc_sync("w1", rrf.confirmed, (fresh(),), timeout=CALL_TIMEOUT),
+            "async_def": rpc.rpc_sync("w1", rrf.confirmed_async, (fresh(),), timeout=CALL_TIMEOUT),
+            "rpc_async": rpc.rpc_async("w1", rrf.confirmed, (fresh(),), timeout=CALL_TIMEOUT).wait(),
+            "remote": rpc.remote("w1", rrf.confirmed, (fresh(),)).to_here(CALL_TIMEOUT),
+            "remote_async_def": rpc.remote("w1", rrf.confirmed_async, (fresh(),)).to_here(CALL_TIMEOUT),
+            "proxy_rpc_sync": env.rpc_sync(CALL_TIMEOUT).confirmed(fresh()),
+            "proxy_remote": env.remote(CALL_TIMEOUT).confirmed(fresh()).to_here(CALL_TIMEOUT),
+        }
+        assert all(v == [True, True] for v in seen.values()), seen
+
     with check("pass/returned_from_remote_function"):
         returned = rpc.rpc_sync("w1", rrf.local_rref, (rrf.make_value(3),), timeout=CALL_TIMEOUT)
         assert returned.owner_name() == "w1" and not returned.is_owner()
@@ -615,7 +633,18 @@ def _graceful_driver() -> None:
         c.value = {w: counts(w) for w in WORKERS}
         assert c.value["w2"]["owned_rrefs"] == GRACEFUL_HELD, c.value
         assert c.value["w1"]["user_rrefs"] == 4, c.value
+    # w1 owns a value holding an RRef to a w2 value that w1 made (torch's nested_rref); this
+    # worker fetches it only once w1 is shutting down.
+    nested = rpc.remote("w1", rrf.remote_rref, ("w2", 20), timeout=CALL_TIMEOUT)
+    wait_until(nested.confirmed_by_owner, 10, "w1 to make the nested RRef")
     rpc.rpc_sync("w1", rf.release, timeout=CALL_TIMEOUT)
+    with check("graceful/fork_from_a_worker_shutting_down"):
+        rpc.rpc_sync("w2", rf.wait_arrivals, ("shutting", 1, SERVE_TIMEOUT), timeout=SERVE_TIMEOUT + 5)
+        time.sleep(0.5)  # w1 is in shutdown() now, waiting for the others
+        # As torch: w1 holds the RRefs inside its values until every worker has reached
+        # shutdown, so this fork of one still finds its value on w2.
+        inner = nested.to_here(CALL_TIMEOUT)["rrefs"][0]
+        assert plain(inner.to_here(10.0)) == value_list(20)
     rpc.rpc_sync("w2", rf.arrive, ("shutting",), timeout=CALL_TIMEOUT)
     rpc.shutdown()
     with check("graceful/after/0"):
@@ -625,14 +654,18 @@ def _graceful_driver() -> None:
 
 
 def _graceful_owner() -> None:
-    """Rank 2: once both users are shutting down, its values must all be released."""
+    """Rank 2: while its users shut down (and wait for it), they still hold its values: as in
+    torch, user RRefs are released only once every worker has reached shutdown (a worker still
+    running may fetch a value that holds one, and fork it)."""
     rf.wait_arrivals("shutting", 2, SERVE_TIMEOUT)
-    with check("graceful/owner_drained") as c:
-        start = time.monotonic()
-        wait_until(
-            lambda: rpc.debug_info()["owned_rrefs"] == 0, 20, "the users' shutdown to release w2's values"
-        )
-        c.value = round(time.monotonic() - start, 3)
+    with check("graceful/owner_keeps_values_until_all_shut_down") as c:
+        seen = []
+        for _ in range(5):
+            seen.append(rpc.debug_info()["owned_rrefs"])
+            time.sleep(0.1)
+        c.value = seen
+        # the held values and the one inside w1's nested value
+        assert seen == [GRACEFUL_HELD + 1] * len(seen), seen
     rrf.drop("")  # the RRef of w0's value it was given
     rpc.shutdown()
 
@@ -654,6 +687,7 @@ def rref_owner_gone(rank: int, world_size: int, init_method: str, workdir: str, 
             c.value = _expect_owner_error(rrf._kept["gone/r"].to_here, 20)
         rrf.drop("")
         (marks / "w1_done").touch()
+        wait_file(marks / "w0_checked", 120)  # w0 still calls this worker (and needs its answers)
         rpc.shutdown(graceful=False)
         return
 
@@ -677,6 +711,12 @@ def rref_owner_gone(rank: int, world_size: int, init_method: str, workdir: str, 
         c.value = _expect_owner_error(_to_here_async_wait, rref)
     with check("gone/proxy_raises") as c:
         c.value = _expect_owner_error(_proxy_total, rref)
+    with check("gone/unconfirmable_argument_fails") as c:
+        # w1 never held `slow`: the call waits for w2 to confirm it, and w2 is gone. It fails
+        # with an error naming w2 (no hang), and w1 lets this worker's fork hold go.
+        c.value = _expect_owner_error(rpc.rpc_sync, "w1", rrf.confirmed, ([slow],), None, CALL_TIMEOUT)
+        assert "not confirmed by its owner" in c.value["message"], c.value
+        wait_counts("w0", 10, pending_children=0)  # (w1's release races the error reply)
     with check("gone/drop_after_owner_left") as c:
         # Every RRef to w2's values is dropped here: nothing may stay held for an owner that
         # is gone (not even the hold of a fork sent to it in a call that failed).
@@ -685,6 +725,7 @@ def rref_owner_gone(rank: int, world_size: int, init_method: str, workdir: str, 
         collect()
         after = rpc.debug_info()
         assert after == ZERO, f"RRefs still held after dropping all, owner gone: {before_drop} -> {after}"
+    (marks / "w0_checked").touch()
     wait_file(marks / "w1_done", 60)
     rpc.shutdown(graceful=False)
 

@@ -31,6 +31,11 @@ def main(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
 
 
 @pytest.fixture(scope="module")
+def concurrent(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return _launch(tmp_path_factory.mktemp("ag_concurrent"), "ag_concurrent", 2, timeout=120)
+
+
+@pytest.fixture(scope="module")
 def aio(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
     return _launch(tmp_path_factory.mktemp("ag_asyncio"), "ag_asyncio", 2, timeout=120)
 
@@ -89,6 +94,14 @@ def test_tensor_used_twice_accumulates(main: GroupRun, case: str) -> None:
 # ============================================================================ 6. retain_graph
 def test_retain_graph_twice_accumulates(main: GroupRun) -> None:
     main.check("retain_graph/twice_accumulates")
+
+
+# ============================================================================ 6b. no gradient copy
+@pytest.mark.parametrize(
+    "case", ["own_buffer_kept", "pass_through_buffer_kept", "shared_buffer_copied", "non_contiguous_copied"]
+)
+def test_gradient_stealing_as_torch(main: GroupRun, case: str) -> None:
+    main.check(f"steal/{case}")
 
 
 # ============================================================================ 7. cleanup
@@ -160,3 +173,10 @@ def test_optimizers_built_while_the_owner_shuts_down(owner_exits: GroupRun, rank
 
 def test_owner_exits_first_clean_exit(owner_exits: GroupRun) -> None:
     owner_exits.assert_clean_exit()
+
+
+# ============================================================================ concurrent passes
+def test_many_concurrent_backward_passes_with_small_pools(concurrent: GroupRun) -> None:
+    """torch's test_async_dist_autograd: nested passes never hold a pool thread waiting."""
+    concurrent.check("concurrent/backward_passes_finish")
+    concurrent.assert_clean_exit()

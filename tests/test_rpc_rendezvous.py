@@ -48,12 +48,12 @@ def test_first_call_after_init(group: GroupRun) -> None:
 
 
 # -- membership errors ------------------------------------------------------------------------
-# A group of 3 shares a tcp:// store. w0 and w1 start and register; then four intruders try to
+# A group of 3 shares a tcp:// store. w0 and w1 start and register; then three intruders try to
 # join and must each be refused with a MembershipError naming the conflict, quickly (long
-# before their store_timeout of 30 s); then w2 joins and the group works normally.
+# before their store_timeout of 30 s); then w2 joins and the group works normally. (A duplicate
+# name is not an intruder's own mistake: as in torch it fails the whole group, see below.)
 INTRUDERS = {
     # label: (name, rank, world_size)
-    "duplicate-name": ("w1", 2, 3),
     "duplicate-rank": ("x", 0, 3),
     "rank-out-of-range": ("y", 3, 3),
     "world-size-mismatch": ("z", 2, 4),
@@ -90,9 +90,26 @@ def refused(run: GroupRun, label: str) -> dict[str, Any]:
     return outcome
 
 
-def test_duplicate_name_is_refused(membership: GroupRun) -> None:
-    message = refused(membership, "duplicate-name")["message"]
-    assert "'w1'" in message and "taken" in message, message
+@pytest.fixture(scope="module")
+def duplicate_name(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    """Ranks 1 and 2 of a group of 3 both start as "w1" (rank 0, which serves the store, is
+    "w0"): torch's test_duplicate_name_2 in rpcdist's terms."""
+    names = {0: {"name": "w0"}, 1: {"name": "w1"}, 2: {"name": "w1"}}
+    workdir = tmp_path_factory.mktemp("duplicate_name")
+    return run_group(workdir, "membership_intruder", 3, "tcp", rank_params=names, timeout=90)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_duplicate_name_fails_every_worker(duplicate_name: GroupRun, rank: int) -> None:
+    """As torch: every worker of the group fails at init, naming the duplicate; none of them
+    (the one whose name was taken, the one that took it first, or a bystander) waits for the
+    others or its store_timeout."""
+    outcome = duplicate_name.value(rank)
+    assert not outcome["joined"], f"rank {rank} joined a group with a duplicate name"
+    assert outcome["is_membership_error"], f"rank {rank}: got {outcome['type']}: {outcome['message']}"
+    message = outcome["message"]
+    assert "'w1' is not unique" in message and "taken by rank" in message, message
+    assert outcome["seconds"] < 25, f"rank {rank} failed only after {outcome['seconds']:.1f} s"
 
 
 def test_duplicate_rank_is_refused(membership: GroupRun) -> None:

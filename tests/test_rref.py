@@ -83,6 +83,7 @@ def test_api(main: GroupRun, name: str) -> None:
         "user_to_owner_is_owner_rref",
         "three_workers",
         "returned_from_remote_function",
+        "confirmed_inside_call",
         "all_dropped",
     ],
 )
@@ -157,7 +158,14 @@ def test_failed_value_freed_after_its_error_was_raised(main: GroupRun, name: str
 
 
 @pytest.mark.parametrize(
-    "name", ["in_flight_to_here_fails", "to_here_raises", "to_here_async_raises", "proxy_raises"]
+    "name",
+    [
+        "in_flight_to_here_fails",
+        "to_here_raises",
+        "to_here_async_raises",
+        "proxy_raises",
+        "unconfirmable_argument_fails",
+    ],
 )
 def test_owner_gone(gone: GroupRun, name: str) -> None:
     gone.check("gone/setup")
@@ -201,8 +209,14 @@ def test_asyncio_clean_exit(aio: GroupRun) -> None:
 # ============================================================================ 8. graceful shutdown
 def test_graceful_shutdown_releases_held_rrefs(main: GroupRun) -> None:
     main.check("graceful/setup")
-    main.check("graceful/owner_drained", rank=2)
+    main.check("graceful/owner_keeps_values_until_all_shut_down", rank=2)
     main.check("graceful/after/0")
+
+
+def test_graceful_shutdown_keeps_rrefs_a_peer_may_still_fork(main: GroupRun) -> None:
+    """torch's test_nested_rref_stress: a worker in shutdown still owns a value holding an RRef
+    it made; a slower peer fetches that value (forking the RRef) and uses the RRef."""
+    main.check("graceful/fork_from_a_worker_shutting_down")
 
 
 def test_main_clean_exit(main: GroupRun) -> None:

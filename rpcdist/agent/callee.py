@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
+from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
-from rpcdist.errors import RpcError, SerializationError
+from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
 from rpcdist.transport import Entries, frames, shm
 from rpcdist.transport.writer import FrameWriter
 
@@ -173,7 +174,8 @@ class Callee:
                     f"already has {len(session.running)} calls running here "
                     f"(max_inflight_calls_per_peer={limit})"
                 )
-            func, args, kwargs, *state = self.agent.decode(header.payload, buffers)
+            with CollectingUnconfirmed() as unconfirmed:
+                func, args, kwargs, *state = self.agent.decode(header.payload, buffers)
         except Exception as exc:
             self._respond_error(session, call_id, function, _loading_error(exc), loading=True)
             return
@@ -183,6 +185,39 @@ class Callee:
             run_in.run(agent.extension.enter, state[0])
         else:
             run_in = None
+        timeout = header.timeout_seconds
+        if unconfirmed:  # (rare: new user RRefs in the arguments) run once their owners confirm
+            gate = self._confirmation_gate(function, unconfirmed, timeout)
+            if is_inline(func):
+                # The handler runs now (its bookkeeping keeps arrival order); the user function
+                # it starts waits for the gate (Agent.start_user_function).
+                if run_in is None:
+                    run_in = contextvars.copy_context()
+                run_in.run(confirmation_gate.set, gate)
+            else:
+                session.track(call_id, gate)  # a CANCEL, or the session's end, cancels the wait
+                arrived = time.monotonic()
+                gate.add_done_callback(
+                    lambda done: self._after_gate(
+                        done, session, call_id, function, func, args, kwargs, run_in, timeout, arrived
+                    )
+                )
+                return
+        self._dispatch(session, call_id, function, func, args, kwargs, run_in, timeout)
+
+    def _dispatch(
+        self,
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        run_in: contextvars.Context | None,
+        timeout: float,
+    ) -> None:
+        """Run a decoded call the way its function runs (``timeout`` in seconds, 0: none)."""
+        agent = self.agent
         if is_inline(func):  # rpcdist's own short, non-blocking handlers
             self._run_inline(session, call_id, function, func, args, kwargs, run_in)
         elif inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
@@ -192,17 +227,99 @@ class Callee:
                 self._run_async(session, call_id, function, func, args, kwargs), context=run_in
             )
             session.track(call_id, task)
-            if header.timeout_seconds > 0:
-                deadline = agent.loop.call_later(header.timeout_seconds, task.cancel)
+            if timeout > 0:
+                deadline = agent.loop.call_later(timeout, task.cancel)
                 task.add_done_callback(lambda _: deadline.cancel())  # don't pin finished calls
         else:
             job = _ThreadJob()
             session.track(call_id, job)
-            deadline = time.monotonic() + header.timeout_seconds if header.timeout_seconds > 0 else None
+            deadline = time.monotonic() + timeout if timeout > 0 else None
             blocking = functools.partial(
                 self._run_blocking, session, call_id, function, func, args, kwargs, job, deadline
             )
             agent.pool.submit(blocking if run_in is None else functools.partial(run_in.run, blocking))
+
+    def _confirmation_gate(
+        self, function: str, unconfirmed: list[Unconfirmed], timeout: float
+    ) -> asyncio.Future[None]:
+        """A loop future that completes once every confirmation in ``unconfirmed`` has arrived,
+        and fails with an RpcError naming the first that failed, or after ``timeout`` seconds
+        (the call's own; without one, the default ``rpc_timeout``: a registration the owner
+        never answers must not hold the call forever)."""
+        agent = self.agent
+        loop = agent.loop
+        gate: asyncio.Future[None] = loop.create_future()
+        # An inline handler may never start a function that awaits it: its failure is not news.
+        gate.add_done_callback(lambda done: done.cancelled() or done.exception())
+        waiting = len(unconfirmed)
+
+        def confirmed(item: Unconfirmed) -> None:  # on the loop
+            nonlocal waiting
+            if gate.done():
+                return
+            error = item.future.exception()
+            if error is not None:
+                failure = RpcError(
+                    f"worker {agent.info.name} could not run {function}: {item.what}, passed in its "
+                    f"arguments, was not confirmed by its owner: {type(error).__name__}: {error}"
+                )
+                failure.__cause__ = error
+                gate.set_exception(failure)
+                return
+            waiting -= 1
+            if waiting == 0:
+                gate.set_result(None)
+
+        for item in unconfirmed:
+            # (completed on whichever thread answers it; counted on the loop)
+            item.future.add_done_callback(lambda _, item=item: agent.on_loop(lambda: confirmed(item)))
+        limit = timeout if timeout > 0 else agent.options.rpc_timeout
+        if limit > 0 and not gate.done():
+
+            def expire() -> None:
+                if not gate.done():
+                    what = ", ".join(item.what for item in unconfirmed if not item.future.done())
+                    gate.set_exception(
+                        RpcTimeoutError(
+                            f"worker {agent.info.name} could not run {function}: the owner did not "
+                            f"confirm {what}, passed in its arguments, within {limit:g} s"
+                        )
+                    )
+
+            expiry = loop.call_later(limit, expire)
+            gate.add_done_callback(lambda _: expiry.cancel())
+        return gate
+
+    def _after_gate(
+        self,
+        gate: asyncio.Future[None],
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        run_in: contextvars.Context | None,
+        timeout: float,
+        arrived: float,
+    ) -> None:
+        """The confirmations of a call's arguments arrived (or failed): run it, or fail it."""
+        if gate.cancelled():  # cancelled by its caller, or the session ended
+            session.untrack(call_id)
+            session.arrivals.pop(call_id, None)
+            return
+        error = gate.exception()
+        if error is not None:
+            session.untrack(call_id)
+            self._respond_error(session, call_id, function, error)
+            return
+        if timeout > 0:  # what is left of the call's own timeout
+            timeout = max(timeout - (time.monotonic() - arrived), 1e-3)
+        # Dispatch before untracking the gate: the session must never look idle while the
+        # call is still to run (its end waits for no running calls, then closes the connection).
+        self._dispatch(session, call_id, function, func, args, kwargs, run_in, timeout)
+        if session.running.get(call_id) is gate:
+            session.untrack(call_id)
 
     def _on_notice(self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception) -> None:
         """Run a NOTIFY (one of rpcdist's own inline handlers) now; nothing goes back."""

@@ -27,7 +27,7 @@ from rpcdist import metrics, serialization
 from rpcdist.agent.callee import Callee, awaitable
 from rpcdist.agent.caller import Caller
 from rpcdist.agent.codec import pickle_message
-from rpcdist.agent.extensions import CallExtension
+from rpcdist.agent.extensions import CallExtension, confirmation_gate
 from rpcdist.agent.markers import inline, is_async_execution, is_inline
 from rpcdist.agent.options import RpcBackendOptions, WorkerInfo
 from rpcdist.agent.status import SERVICE_NAME as STATUS_SERVICE
@@ -298,8 +298,12 @@ class Agent:
 
     def start_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
         """Start a user function the way calls run (``async def`` on the loop, others on the
-        pool, in the current contextvars context); returns a future of its result. Loop only."""
-        if inspect.iscoroutinefunction(func) or is_async_execution(func):
+        pool, in the current contextvars context); returns a future of its result. Loop only.
+
+        Inside a call whose arguments await their owners' confirmation (``confirmation_gate``),
+        the function starts once they have arrived."""
+        waits = confirmation_gate.get() is not None
+        if waits or inspect.iscoroutinefunction(func) or is_async_execution(func):
             return self.loop.create_task(self.run_user_function(func, args, kwargs))
         if is_inline(func):  # one of rpcdist's own loop-side handlers
             done = self.loop.create_future()
@@ -315,7 +319,12 @@ class Agent:
         return self._on_pool(func, args, kwargs)
 
     async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """Run a user function the way calls run: ``async def`` on the loop, others on the pool."""
+        """Run a user function the way calls run: ``async def`` on the loop, others on the pool
+        (after the confirmations the call waits for, if any: see ``start_user_function``)."""
+        gate = confirmation_gate.get()
+        if gate is not None:
+            await gate  # raises the gate's error: the function does not run
+            confirmation_gate.set(None)  # (this task's own context: what it starts need not wait)
         if inspect.iscoroutinefunction(func):
             result = await func(*args, **kwargs)
         elif is_inline(func):

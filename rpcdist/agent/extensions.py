@@ -9,14 +9,20 @@ The agent carries calls; two things ride along that belong to layers above it:
   message may take a hold that must be given back if the message never reaches its receiver
   (an RRef fork keeps its value alive until the owner registers the receiver). The agent
   collects these while pickling and runs them when a message is refused, cut off or lost.
+- **Confirmations a call waits for** (:func:`on_unconfirmed`): an object unpickled from a
+  request may need a third party's confirmation before the call may use it (a user RRef
+  forked to this worker, until its owner has registered it). The callee collects these
+  while unpickling a request and runs the call only once all have arrived.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -26,7 +32,11 @@ __all__ = [
     "CallExtension",
     "TensorReducer",
     "CollectingUndo",
+    "CollectingUnconfirmed",
+    "Unconfirmed",
+    "confirmation_gate",
     "on_undelivered",
+    "on_unconfirmed",
     "pickling_message",
     "run_undo",
 ]
@@ -91,3 +101,48 @@ def run_undo(callbacks: Iterable[Callable[[], None]]) -> None:
             callback()
         except Exception:  # noqa: BLE001 - one failed release must not keep the others
             log.exception("releasing a hold of an undelivered message failed")
+
+
+class Unconfirmed(NamedTuple):
+    """A confirmation a call must wait for: a future (an rpcdist Future) that completes when
+    it arrives, and what it confirms (for the error if it fails)."""
+
+    future: Any
+    what: str
+
+
+_unconfirmed = threading.local()
+
+
+class CollectingUnconfirmed:
+    """``with CollectingUnconfirmed() as pending:`` collects the :func:`on_unconfirmed`
+    confirmations of what is unpickled in the block (this thread): the callee's request decode."""
+
+    __slots__ = ("pending", "_previous")
+
+    def __enter__(self) -> list[Unconfirmed]:
+        self._previous = getattr(_unconfirmed, "pending", None)
+        self.pending: list[Unconfirmed] = []
+        _unconfirmed.pending = self.pending
+        return self.pending
+
+    def __exit__(self, *exc: object) -> None:
+        _unconfirmed.pending = self._previous
+
+
+def on_unconfirmed(future: Any, what: str) -> None:
+    """Called while an object is being unpickled from a request: the call must not run before
+    ``future`` completes. Outside a request decode (a result, plain ``pickle``) it is dropped."""
+    pending = getattr(_unconfirmed, "pending", None)
+    if pending is not None:
+        pending.append(Unconfirmed(future, what))
+
+
+confirmation_gate: contextvars.ContextVar[asyncio.Future[None] | None] = contextvars.ContextVar(
+    "rpcdist_confirmation_gate", default=None
+)
+"""Inside one of rpcdist's inline handlers whose request carried unconfirmed objects: the loop
+future that completes once they are all confirmed (fails if one cannot be). The user function
+the handler starts (``Agent.start_user_function``/``run_user_function``) waits for it; the
+handler's own bookkeeping (registering the caller of ``remote()``) does not, so it keeps the
+arrival order its protocol relies on."""

@@ -70,11 +70,16 @@ class DistAutogradContext:
         entry = self.recvs.get(id(leaf))
         return None if entry is None or entry[0] is not leaf else (entry[1], entry[2])
 
-    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
+        """Add ``grad`` to ``leaf``'s gradient in this context.
+
+        The first gradient of a leaf is kept without a copy when ``owned`` (nothing else holds
+        its buffer), as torch's gradient stealing does; otherwise it is copied, so that later
+        accumulation never writes into a buffer someone else sees."""
         with self.lock:
             held = self.gradients.get(id(leaf))
             if held is None:
-                self.gradients[id(leaf)] = (leaf, grad.detach().clone())
+                self.gradients[id(leaf)] = (leaf, grad.detach() if owned else grad.detach().clone())
             else:
                 held[1].add_(grad)
 

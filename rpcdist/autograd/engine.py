@@ -13,12 +13,14 @@ done; an error anywhere reaches its caller.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from rpcdist.agent import current_agent
+from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
 from rpcdist.serialization import trust
@@ -49,37 +51,71 @@ def _leaves(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
+# (leaf, its gradient, whether the gradient's buffer is this pass's own: see _root_gradients)
+LeafGradient = tuple[torch.Tensor, torch.Tensor, bool]
+
+
 def _local_gradients(
     outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[LeafGradient]:
     leaves = _leaves(outputs)
     if not leaves:
         return []
     grads = torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True)
-    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+    return [(leaf, grad, False) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+
+
+def _buffer(grad: torch.Tensor) -> int:
+    """Where a gradient's data lives (a sparse one's: its values)."""
+    return grad._values().data_ptr() if grad.is_sparse else grad.data_ptr()
 
 
 def _root_gradients(
     outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[LeafGradient]:
     """:func:`_local_gradients` for the worker that called ``backward``, through torch's full
     engine so that gradient-accumulation hooks run as in a local backward: a
     DistributedDataParallel module in the graph averages its gradients across its group, as it
     does under torch's distributed autograd. ``.grad`` is restored afterwards (distributed
-    autograd leaves it untouched); the parameters are this caller's, as in a local backward."""
+    autograd leaves it untouched); the parameters are this caller's, as in a local backward.
+
+    Each gradient comes with whether the context may keep it without a copy, as torch's
+    distributed autograd does (its gradient stealing): when the leaf's accumulation took the
+    very buffer the backward pass computed (torch's rules: dense and laid out like the leaf, or
+    sparse with contiguous parts, and referenced by nothing else), and no other leaf received
+    that buffer too (torch's distributed engine holds every leaf's gradient until all are
+    accumulated, so a buffer given to two leaves is copied for both)."""
     leaves = _leaves(outputs)
     if not leaves:
         return []
+    arrived: list[int | None] = [None] * len(leaves)
+
+    def note(index: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:  # keeps only the address: a reference would
+            arrived[index] = _buffer(grad)  # make the accumulation copy the buffer
+
+        return hook
+
     saved = [leaf.grad for leaf in leaves]
+    handles = []
     try:
-        for leaf in leaves:
+        for index, leaf in enumerate(leaves):
             leaf.grad = None
+            # (last of the leaf's hooks: it sees the gradient the accumulation receives)
+            handles.append(leaf.register_hook(note(index)))
         torch.autograd.backward(outputs, grad_outputs, retain_graph=True, inputs=leaves)
         grads = [leaf.grad for leaf in leaves]
     finally:
+        for handle in handles:
+            handle.remove()
         for leaf, grad in zip(leaves, saved, strict=True):
             leaf.grad = grad
-    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+    given = collections.Counter(arrived)
+    out = []
+    for leaf, grad, buffer in zip(leaves, grads, arrived, strict=True):
+        if grad is not None:
+            out.append((leaf, grad, buffer is not None and given[buffer] == 1 and _buffer(grad) == buffer))
+    return out
 
 
 async def local_pass(
@@ -111,16 +147,14 @@ def local_pass_here(
     return pass_on(agent, context, _root_gradients(outputs, grad_outputs))
 
 
-def pass_on(
-    agent: Any, context: _contexts.DistAutogradContext, pairs: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[Any]:
+def pass_on(agent: Any, context: _contexts.DistAutogradContext, pairs: list[LeafGradient]) -> list[Any]:
     """Accumulate the gradients of this worker's leaves; send those of received leaves back to
     their senders (returns the futures of those passes)."""
     passes = []
-    for leaf, grad in pairs:
+    for leaf, grad, owned in pairs:
         origin = context.recv_of(leaf)
         if origin is None:
-            context.accumulate(leaf, grad)
+            context.accumulate(leaf, grad, owned)
         else:
             src, send_id = origin
             passes.append(
@@ -140,11 +174,22 @@ async def _awaitable(future: Any) -> Any:
     return await future
 
 
+async def _all_done(passes: list[Any]) -> None:
+    """Wait (on the loop) for the passes a :func:`backward_from_send` started elsewhere."""
+    if len(passes) == 1:
+        await passes[0]
+    else:
+        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+
+
 @trust
-def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> None:
-    """On the worker that sent a tensor (a pool thread, as a blocking call): continue the
-    backward pass from it. The local graph runs right on this thread (no hop back to the loop
-    between the message and the work); it returns once the passes it started elsewhere did."""
+def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any:
+    """On the worker that sent a tensor (a pool thread): continue the backward pass from it.
+    The local graph runs right on this thread (no hop back to the loop between the message and
+    the work); the call completes once the passes it started elsewhere did, waited for on the
+    loop (``async_execution``): a pool thread blocked in that wait could be the one a nested
+    pass coming back here needs, and many concurrent backward passes (torch's
+    test_async_dist_autograd: 40 threads) would hold every pool thread so, a deadlock."""
     agent = current_agent()
     context = _contexts.lookup(context_id)
     if context is None:
@@ -156,5 +201,7 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Non
         raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
     with _contexts.entered(None):  # the passes it starts are not calls made in the context
         passes = pass_on(agent, context, _local_gradients([tensor], [grad]))
-    for future in passes:
-        future.wait()
+    return _all_done(passes)
+
+
+setattr(backward_from_send, ASYNC_EXECUTION_ATTR, True)  # (returns an awaitable; see above)

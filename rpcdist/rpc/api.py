@@ -217,7 +217,6 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         else:
             graceful_exit = graceful
         if graceful_exit:
-            rrefs.release_all_users()
             await agent.wait_for_outstanding(remaining())
             try:
                 # Every live worker reaches shutdown before any leaves (a dead one is left out).
@@ -230,6 +229,11 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
                 if not stray_cancellation():
                     raise
                 log.warning("%s: shutdown barrier: a store call was cancelled", agent.info.name)
+            # Only now, as torch (after its _wait_all_workers): until every worker has reached
+            # shutdown, a peer may still fetch a value this worker owns and so fork the user
+            # RRefs inside it, which must then still be held. (Not waited for: every owner is
+            # leaving too, and frees what it owns as it does.)
+            rrefs.release_all_users()
         await agent.close(graceful)
         rrefs.detach()
         if graceful_exit:

@@ -16,6 +16,9 @@ The protocol (the guarantees torch documents for its RRefs, kept with fewer mess
   deletion reach the owner, so passing an RRef from A to B while A drops it never frees the
   value early. Messages from one worker to another arrive in order, so a holder's
   registration always precedes its deletion.
+- A call whose arguments bring a worker a user RRef it did not hold runs only once the owner
+  has registered that worker (as torch's: ``confirmed_by_owner()`` is true inside it); if the
+  owner cannot confirm it within the call's timeout, the call fails with that error.
 - If the function of ``remote()`` fails, every ``to_here()`` raises its error; if the owner
   is gone, ``to_here()`` raises WorkerUnavailableError naming it.
 """
@@ -38,7 +41,7 @@ import torch
 from rpcdist import serialization
 from rpcdist._runtime import current_loop
 from rpcdist.agent.current import NO_AGENT_FOR_RREF
-from rpcdist.agent.extensions import on_undelivered, pickling_message
+from rpcdist.agent.extensions import on_unconfirmed, on_undelivered, pickling_message
 from rpcdist.agent.markers import inline
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
@@ -158,17 +161,19 @@ class RRefContext:
                 weakref.finalize(rref, self._user_finalized, rref_id)
                 fresh = True
         if fresh:
-            _await_confirmation(
-                rref,
-                self.agent.submit(
-                    owner,
-                    _register,
-                    (rref_id, me, sender, token),
-                    None,
-                    0,
-                    function_name="rpcdist.rref.register",
-                ),
+            registered = self.agent.submit(
+                owner,
+                _register,
+                (rref_id, me, sender, token),
+                None,
+                0,
+                function_name="rpcdist.rref.register",
             )
+            _await_confirmation(rref, registered)
+            registered.add_done_callback(lambda done: self._registration_failed(done, sender, token))
+            # As torch: a call that receives a new user RRef runs once the owner has confirmed
+            # it (confirmed_by_owner() is true inside the function).
+            on_unconfirmed(registered, f"the RRef {rref_id} owned by {owner.name}")
         elif (confirmation := rref._confirmed) is None or confirmation.done():
             self.child_accepted_at(sender, token)
         else:
@@ -176,6 +181,17 @@ class RRefContext:
             # the owner has it, or the sender's deletion could overtake it.
             confirmation.add_done_callback(lambda _: self.child_accepted_at(sender, token))
         return rref
+
+    def _registration_failed(self, registered: Future[Any], sender: int, token: int) -> None:
+        """If the owner could not register us (it is gone or out of reach: this RRef's
+        ``to_here()`` raises that), the sender's hold protects nothing: let it go, or the
+        sender would keep its RRef until shutdown."""
+        if registered.exception() is None or self._closed:
+            return
+        try:
+            self.child_accepted_at(sender, token)
+        except RpcError as exc:  # shutting down: the sender's holds go with its context
+            log.debug("could not release fork %s of worker %s: %s", token, sender, exc)
 
     def adopt_owned(self, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
         """Rebuild a pickled RRef on its owner: an owner RRef over the existing value."""

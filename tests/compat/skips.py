@@ -233,22 +233,11 @@ class KnownFailure(NamedTuple):
     timeout: int | None = None
 
 
-_GRAD_STEALING = (
-    KNOWN_FAILURE_PREFIX + "torch's gradient stealing: the first gradient accumulated in a "
-    "context is the autograd buffer itself (same data_ptr), rpcdist stores a copy"
-)
 _HANG_TIMEOUT = 10  # s, instead of 60 (torch then spends ~5 s per worker fetching its stack)
 
 # "<torch test class>.<test method>": why it fails today (public behaviour rpcdist lacks).
 KNOWN_FAILURES: dict[str, KnownFailure] = {
     # --- torch/testing/_internal/distributed/rpc/rpc_test.py
-    "RpcTest.test_user_rrefs_confirmed": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "a forked user RRef is confirmed_by_owner() only once the owner has "
-        "registered it; torch runs the call only after that confirmation"
-    ),
-    "RpcTest.test_user_rrefs_confirmed_remote": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "as test_user_rrefs_confirmed, through rpc.remote"
-    ),
     "RpcTest.test_init_pg_then_rpc": KnownFailure(
         KNOWN_FAILURE_PREFIX + "a gloo group and RPC rendezvous on one file:// file: rpcdist's "
         "FileStore has its own file format, so it cannot share torch's FileStore file"
@@ -256,22 +245,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
     "RpcTest.test_init_rpc_then_pg": KnownFailure(
         KNOWN_FAILURE_PREFIX + "as test_init_pg_then_rpc (RPC first, then gloo on the same file: hangs)",
         _HANG_TIMEOUT,
-    ),
-    "RpcTest.test_duplicate_name_2": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "only the worker whose name is taken fails at once ('is not unique'); "
-        "torch gathers every name and fails every worker, rpcdist's others wait for it (hangs)",
-        _HANG_TIMEOUT,
-    ),
-    "RpcTest.test_nested_rref_stress": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "20 nested RRef round trips between 4 workers do not finish "
-        "(hangs; not yet diagnosed)",
-        _HANG_TIMEOUT,
-    ),
-    "RpcTest.test_rref_forward_chain": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "intermittent (failed in 2 of 4 runs under load, passes alone): one "
-        "to_here() along the 8-deep chain of nested RRefs never completes (worker0 waits in "
-        "to_here, the others in shutdown); not yet diagnosed",
-        20,
     ),
     "RpcTest.test_profiler_export_trace": KnownFailure(
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile, so the "
@@ -284,11 +257,6 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         KNOWN_FAILURE_PREFIX + "the callee's events are not merged into the caller's profile"
     ),
     # --- torch/testing/_internal/distributed/rpc/dist_autograd_test.py
-    "DistAutogradTest.test_async_dist_autograd": KnownFailure(
-        KNOWN_FAILURE_PREFIX + "40 threads of 2 workers each running rpc_sync + backward on worker0 "
-        "deadlock (not yet diagnosed; likely worker0's pool threads all waiting in backward passes)",
-        _HANG_TIMEOUT,
-    ),
     "DistAutogradTest.test_backward_unused_send_function": KnownFailure(
         KNOWN_FAILURE_PREFIX + "torch's FAST-mode backward never completes when an RPC's result is "
         "unused, and the test asserts that hang; rpcdist's backward completes"
@@ -297,7 +265,4 @@ KNOWN_FAILURES: dict[str, KnownFailure] = {
         KNOWN_FAILURE_PREFIX + "profiler events named SendRpcBackward / RecvRpcBackward / "
         "torch::distributed::autograd::backward for a distributed backward pass"
     ),
-    "DistAutogradTest.test_no_grad_copy": KnownFailure(_GRAD_STEALING),
-    "DistAutogradTest.test_no_grad_copy_sparse": KnownFailure(_GRAD_STEALING),
-    "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref": KnownFailure(_GRAD_STEALING),
 }
