@@ -419,7 +419,9 @@ class Callee:
         except BaseException as exc:  # noqa: BLE001
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
-        if session.writer.write_now(entries):  # answered from this thread, the loop not woken
+        # Answered from this thread, the loop not woken, when it is the peer's only call running
+        # here; otherwise through the loop, whose writer packs many answers into one write.
+        if len(session.running) == 1 and session.writer.write_now(entries):
             session.untrack(call_id)
             if session.arrivals:  # metrics are on: counted on the loop
                 inbox.post(lambda: self._served(session, call_id, function, True))

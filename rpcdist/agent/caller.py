@@ -6,11 +6,11 @@ arms its timeout. A reply completes the call's Future with the result or the reb
 exception; a timeout fails it with RpcTimeoutError and asks the callee to cancel; the loss
 of the link fails every call pending on it with WorkerUnavailableError.
 
-A small call made from a thread other than the loop's, to a peer whose socket link is open and
-idle, is written by that thread itself (see ``FrameWriter.write_now``): the loop is not woken
-to send it. Its timeout is then kept by a sweep on the loop (every ``SWEEP_SECONDS`` while such
-calls are pending) instead of a timer of its own, so only timeouts of at least
-``DIRECT_MIN_TIMEOUT`` seconds (or none) take this path.
+A small call that a thread other than the loop's waits for at once (rpc_sync), to a peer whose
+socket link is open and idle, is written by that thread itself (see ``FrameWriter.write_now``):
+the loop is not woken to send it. Its timeout is then kept by a sweep on the loop (every
+``SWEEP_SECONDS`` while such calls are pending) instead of a timer of its own, so only timeouts
+of at least ``DIRECT_MIN_TIMEOUT`` seconds (or none) take this path.
 """
 
 from __future__ import annotations
@@ -122,8 +122,13 @@ class Caller(LinkHandler):
         timeout: float,
         *,
         function_name: str | None = None,
+        waited: bool = False,
     ) -> Future[Any]:
-        """Send a call from any thread; returns its Future. Raises at once on bad input."""
+        """Send a call from any thread; returns its Future. Raises at once on bad input.
+
+        ``waited``: the calling thread waits for this call next (rpc_sync), so a small call to
+        an idle link may be written right here; calls that are not (a burst of rpc_async) go
+        through the loop, whose writer packs many into one write."""
         agent = self._agent
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
@@ -145,7 +150,7 @@ class Caller(LinkHandler):
                 agent.inbox.post(lambda: self._start(call))
             else:
                 self._start(call)
-        elif not self._send_from_thread(call):
+        elif not (waited and self._send_from_thread(call)):
             agent.inbox.post(lambda: self._start(call))
         return future
 
@@ -163,16 +168,15 @@ class Caller(LinkHandler):
             or 0 < timeout < DIRECT_MIN_TIMEOUT
         ):
             return False
+        if self.in_flight.get(rank, 0) or self.waiting.get(rank):
+            return False
         link = agent.transport.existing_link(rank)
         if link is None or link.writer.direct is None:
             return False
         call.call_id = call_id = next(self._call_ids)
         entries = list(self._encode(call))
         with self._lock:
-            if (
-                self.waiting.get(rank)
-                or self.in_flight.get(rank, 0) >= agent.options.max_inflight_calls_per_peer
-            ):
+            if self.waiting.get(rank) or self.in_flight.get(rank, 0):  # (again, now it counts)
                 return False
             if timeout > 0:
                 call.deadline = time.monotonic() + timeout

@@ -48,11 +48,15 @@ class LoopInbox:
         self._scheduled = False
         items = self._items
         while items:
-            item = items.popleft()
+            # Left in the queue while it runs: ``pending`` stays true until it has (a thread
+            # that writes its own call checks it, so as not to overtake a call being started).
+            item = items[0]
             try:
                 item()
             except Exception:
                 log.exception("callback posted to the rpcdist loop raised")
+            finally:
+                items.popleft()
 
 
 class WorkerPool:

@@ -165,6 +165,7 @@ def pass_on(agent: Any, context: _contexts.DistAutogradContext, pairs: list[Leaf
                     None,
                     0,
                     function_name="rpcdist.autograd.backward",
+                    waited=True,  # (this thread waits for them, or hands them to the loop)
                 )
             )
     return passes
