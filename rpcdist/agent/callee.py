@@ -26,6 +26,7 @@ from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
+from rpcdist.futures import Future
 from rpcdist.transport import Entries, frames, shm
 from rpcdist.transport.writer import FrameWriter
 
@@ -412,8 +413,10 @@ class Callee:
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
         if is_async_execution(func):
-            inbox.post(lambda: self._finish_later(session, call_id, function, result))
-            return
+            if not (isinstance(result, Future) and result.done() and result.exception() is None):
+                inbox.post(lambda: self._finish_later(session, call_id, function, result))
+                return
+            result = result.value()  # settled already: answered like a plain result
         try:
             entries = list(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001

@@ -23,6 +23,7 @@ from rpcdist.agent import current_agent
 from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
+from rpcdist.futures import Future
 from rpcdist.serialization import trust
 
 
@@ -202,6 +203,10 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any
         raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
     with _contexts.entered(None):  # the passes it starts are not calls made in the context
         passes = pass_on(agent, context, _local_gradients([tensor], [grad]))
+    if not passes:  # a leaf of the distributed graph: answered at once, from this thread
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
     return _all_done(passes)
 
 
