@@ -58,6 +58,26 @@ def match_torch_threads() -> None:
         log.debug("cannot match torch's thread count in %s: %s", threading.current_thread().name, exc)
 
 
+pool_thread_of = threading.local()
+"""``.pool``: on a worker-pool thread, its pool (see ``rpcdist.agent.threads.WorkerPool``)."""
+
+
+class blocking_wait:
+    """``with blocking_wait():`` around a wait for something rpcdist completes (a Future):
+    on a pool thread, its running place goes to a queued job meanwhile. Elsewhere a no-op."""
+
+    __slots__ = ("_pool",)
+
+    def __enter__(self) -> None:
+        self._pool: Any = getattr(pool_thread_of, "pool", None)  # an agent.threads.WorkerPool
+        if self._pool is not None:
+            self._pool._blocked()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool._unblocked()
+
+
 class LoopThread:
     """An asyncio loop running forever in a daemon thread."""
 

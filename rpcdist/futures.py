@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from rpcdist._runtime import match_torch_threads
+from rpcdist._runtime import blocking_wait, match_torch_threads
 from rpcdist.errors import BlockingCallError
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,9 @@ class Future(torch.futures.Future[T]):
                     waiter = self._waiter = threading.Lock()
                     waiter.acquire()
             if waiter is not None:
-                if not waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                with blocking_wait():  # (a worker-pool thread lends its running place meanwhile)
+                    acquired = waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+                if not acquired:
                     raise TimeoutError(f"Future not complete after {timeout} s")
                 waiter.release()  # the next blocked thread, if any, goes on too
         return self.value()

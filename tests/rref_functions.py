@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from typing import Any
 
 import torch
@@ -59,6 +60,11 @@ class Env:
 
     def fail(self, message: str) -> None:
         raise RRefTestError(message, 9)
+
+    def slow_total(self, seconds: float) -> tuple[float, str]:
+        """The total after ``seconds`` (the caller may drop its RRef meanwhile), and the thread."""
+        time.sleep(seconds)
+        return self.total(), threading.current_thread().name
 
     def confirmed(self, rrefs: list[rpc.RRef[Any]]) -> list[bool]:
         """As :func:`confirmed`, called through an RRef of this object (``rref.rpc_sync()``)."""

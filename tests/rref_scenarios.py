@@ -297,6 +297,23 @@ def _passing() -> None:  # noqa: C901 - a list of independent checks
         view = rpc.rpc_sync("w2", rrf.describe_kept, ("pass/back",), timeout=CALL_TIMEOUT)["tuple"][0]["rref"]
         assert view["value"] == ["Env", 15.0], view
 
+    with check("pass/user_to_owner_without_a_hold") as c:
+        # A call to the owner carries the RRef without a fork hold (nothing waits for an
+        # acknowledgment): the owner adopts it while decoding the call, before this worker's
+        # deletion can reach it. The caller drops its RRef at once; the value must live on
+        # through the call and be freed after it.
+        rref = rpc.remote("w2", rrf.make_env, (2.0,))
+        assert rref.rpc_sync(timeout=CALL_TIMEOUT).total() == 6.0  # created; this user confirmed
+        owned_before = counts("w2")["owned_rrefs"]
+        fut = rref.rpc_async(timeout=CALL_TIMEOUT).slow_total(0.5)
+        assert counts("w0")["pending_children"] == 0, counts("w0")
+        del rref
+        collect()
+        total, thread = fut.wait()
+        assert total == 6.0, total
+        assert thread.startswith("rpcdist-w2"), f"the method ran on {thread}, not a pool thread"
+        c.value = wait_counts("w2", owned_rrefs=owned_before - 1)
+
     with check("pass/three_workers") as c:
         chains = {
             "owner_w0": rpc.RRef(rrf.make_value(10)),  # A=owner -> B user -> C user

@@ -81,6 +81,7 @@ def test_api(main: GroupRun, name: str) -> None:
         "nested_to_user",
         "nested_to_owner",
         "user_to_owner_is_owner_rref",
+        "user_to_owner_without_a_hold",
         "three_workers",
         "returned_from_remote_function",
         "confirmed_inside_call",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
-from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, is_async_execution, is_inline
+from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, RunAsCall, is_async_execution, is_inline
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
 from rpcdist.futures import Future
 from rpcdist.transport import Entries, frames, shm
@@ -220,7 +220,7 @@ class Callee:
         """Run a decoded call the way its function runs (``timeout`` in seconds, 0: none)."""
         agent = self.agent
         if is_inline(func):  # rpcdist's own short, non-blocking handlers
-            self._run_inline(session, call_id, function, func, args, kwargs, run_in)
+            self._run_inline(session, call_id, function, func, args, kwargs, run_in, timeout)
         elif inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
             getattr(func, TORCH_ASYNC_EXECUTION_ATTR, None)
         ):
@@ -352,12 +352,16 @@ class Callee:
         args: Any,
         kwargs: Any,
         run_in: contextvars.Context | None,
+        timeout: float,
     ) -> None:
         within = run_in.run if run_in is not None else _call
         try:
             result = within(func, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - goes back to the caller
             self._respond_error(session, call_id, function, exc)
+            return
+        if isinstance(result, RunAsCall):
+            self._dispatch(session, call_id, function, *result, run_in, timeout)
             return
         if isinstance(result, asyncio.Future):  # answer once it settles (e.g. a loan returned)
             session.track(call_id, result)

@@ -138,7 +138,9 @@ class Caller(LinkHandler):
         call_tuple: tuple[Any, ...] = (func, tuple(args or ()), dict(kwargs or {}))
         if state is not None:  # the callee runs in the caller's extension state
             call_tuple += (state,)
-        payload, buffers, undo = agent.pickle(call_tuple, f"call to {name} on {dest.name}", dest.id, state)
+        payload, buffers, undo = agent.pickle(
+            call_tuple, f"call to {name} on {dest.name}", dest.id, state, outgoing=True
+        )
         if timeout is None or timeout < 0:
             timeout = agent.options.rpc_timeout
         future: Future[Any] = Future(loop=agent.loop)
@@ -227,7 +229,7 @@ class Caller(LinkHandler):
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
         dest = agent.worker(to)
         payload, buffers, _ = agent.pickle(
-            (func, tuple(args), {}), f"notice {function_name} to {dest.name}", dest.id
+            (func, tuple(args), {}), f"notice {function_name} to {dest.name}", dest.id, outgoing=True
         )
         if buffers:
             raise ValueError(f"a notice carries no tensors or arrays ({function_name} to {dest.name})")

@@ -16,11 +16,16 @@ __all__ = ["pickle_message", "describe_error", "rebuild_error"]
 
 
 def pickle_message(
-    obj: Any, what: str, max_bytes: int, tensor_reducer: TensorReducer | None = None
+    obj: Any,
+    what: str,
+    max_bytes: int,
+    tensor_reducer: TensorReducer | None = None,
+    ordered_to: int | None = None,
 ) -> tuple[bytes, list[memoryview], list[Callable[[], None]]]:
     """Pickle one message; returns it with the undo callbacks of what it carries (given
-    back at once if it cannot be pickled or is above ``max_bytes``)."""
-    with CollectingUndo() as undo:
+    back at once if it cannot be pickled or is above ``max_bytes``). ``ordered_to``: see
+    :class:`CollectingUndo`."""
+    with CollectingUndo(ordered_to) as undo:
         try:
             payload, buffers = serialization.dumps(obj, grad_reducer=tensor_reducer)
             size = len(payload)

@@ -28,7 +28,7 @@ from rpcdist.agent.callee import Callee, awaitable
 from rpcdist.agent.caller import Caller
 from rpcdist.agent.codec import pickle_message
 from rpcdist.agent.extensions import CallExtension, confirmation_gate
-from rpcdist.agent.markers import inline, is_async_execution, is_inline
+from rpcdist.agent.markers import RunAsCall, inline, is_async_execution, is_inline
 from rpcdist.agent.options import RpcBackendOptions, WorkerInfo
 from rpcdist.agent.status import SERVICE_NAME as STATUS_SERVICE
 from rpcdist.agent.status import StatusServicer
@@ -287,11 +287,13 @@ class Agent:
             self.inbox.post(fn)
 
     def pickle(
-        self, obj: Any, what: str, peer: int, state: Any = None
+        self, obj: Any, what: str, peer: int, state: Any = None, *, outgoing: bool = False
     ) -> tuple[bytes, list[memoryview], list[Callable[[], None]]]:
-        """Pickle a message for ``peer`` within the size limit (see ``codec.pickle_message``)."""
+        """Pickle a message for ``peer`` within the size limit (see ``codec.pickle_message``).
+        ``outgoing``: a call or notice on this worker's own link to ``peer`` (not an answer)."""
         reducer = self.extension.tensor_reducer(state, peer) if self.extension is not None else None
-        return pickle_message(obj, what, self.options.max_payload_bytes, reducer)
+        ordered_to = peer if outgoing and peer != self.info.id else None
+        return pickle_message(obj, what, self.options.max_payload_bytes, reducer, ordered_to)
 
     def decode(self, payload: bytes | memoryview, buffers: Any = ()) -> Any:
         """Unpickle a message from a peer (restricted when the options say so)."""
@@ -313,6 +315,8 @@ class Agent:
             except BaseException as exc:  # noqa: BLE001
                 done.set_exception(exc)
                 return done
+            if isinstance(result, RunAsCall):
+                return self.start_user_function(*result)
             if isinstance(result, asyncio.Future):
                 return result
             done.set_result(result)

@@ -37,6 +37,7 @@ __all__ = [
     "confirmation_gate",
     "on_undelivered",
     "on_unconfirmed",
+    "ordered_receiver",
     "pickling_message",
     "run_undo",
 ]
@@ -66,18 +67,26 @@ _undo = threading.local()
 class CollectingUndo:
     """``with CollectingUndo() as undo:`` collects the :func:`on_undelivered` callbacks of
     what is pickled in the block (this thread); the caller keeps them with the message.
-    (A class, not a generator context manager: every message goes through it.)"""
+    (A class, not a generator context manager: every message goes through it.)
 
-    __slots__ = ("callbacks", "_previous")
+    ``ordered_to``: the rank of the receiver when the message goes out on this worker's own
+    link to it (a call or a notice, not an answer), so that the receiver decodes it before
+    anything this worker sends it afterwards (see :func:`ordered_receiver`)."""
+
+    __slots__ = ("callbacks", "ordered_to", "_previous")
+
+    def __init__(self, ordered_to: int | None = None) -> None:
+        self.ordered_to = ordered_to
 
     def __enter__(self) -> list[Callable[[], None]]:
-        self._previous = getattr(_undo, "callbacks", None)
+        self._previous = (getattr(_undo, "callbacks", None), getattr(_undo, "ordered_to", None))
         self.callbacks: list[Callable[[], None]] = []
         _undo.callbacks = self.callbacks
+        _undo.ordered_to = self.ordered_to
         return self.callbacks
 
     def __exit__(self, *exc: object) -> None:
-        _undo.callbacks = self._previous
+        _undo.callbacks, _undo.ordered_to = self._previous
 
 
 def on_undelivered(callback: Callable[[], None]) -> None:
@@ -86,6 +95,15 @@ def on_undelivered(callback: Callable[[], None]) -> None:
     callbacks = getattr(_undo, "callbacks", None)
     if callbacks is not None:
         callbacks.append(callback)
+
+
+def ordered_receiver() -> int | None:
+    """While pickling a call or notice: the receiver's rank. The receiver decodes it on its
+    loop before any message this worker sends it later (one ordered link per caller and peer,
+    decoded in arrival order), so an object it carries needs no hold against this worker's own
+    later messages (an RRef sent to its owner: the user's deletion cannot overtake it).
+    None while pickling an answer or outside a message."""
+    return getattr(_undo, "ordered_to", None)
 
 
 def pickling_message() -> bool:

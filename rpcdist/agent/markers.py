@@ -3,14 +3,15 @@
 - ``async def`` functions run as tasks on the callee's event loop;
 - functions marked :func:`async_execution` (rpcdist's or torch's decorator) return a Future
   or awaitable, and the call completes when it does, without holding a thread;
-- rpcdist's own short handlers are marked :func:`inline` and run directly on the loop;
+- rpcdist's own short handlers are marked :func:`inline` and run directly on the loop; one
+  may return :class:`RunAsCall` to have a user function run as the call itself;
 - everything else runs on the callee's thread pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,3 +35,14 @@ def inline(func: F) -> F:
     the message arrives (no task, no thread). Only for short functions that never block."""
     setattr(func, INLINE_ATTR, True)
     return func
+
+
+class RunAsCall(NamedTuple):
+    """What an :func:`inline` handler returns to have ``func(*args, **kwargs)`` run as the call
+    it handles is run, exactly as if the caller had called ``func`` (a plain function on a pool
+    thread that answers itself, ``async def`` on the loop, ...): an RRef's method called through
+    its proxy once the handler has found the value, without a hop back to the loop."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]

@@ -41,8 +41,14 @@ import torch
 from rpcdist import serialization
 from rpcdist._runtime import current_loop
 from rpcdist.agent.current import NO_AGENT_FOR_RREF
-from rpcdist.agent.extensions import on_unconfirmed, on_undelivered, pickling_message
-from rpcdist.agent.markers import inline
+from rpcdist.agent.extensions import (
+    confirmation_gate,
+    on_unconfirmed,
+    on_undelivered,
+    ordered_receiver,
+    pickling_message,
+)
+from rpcdist.agent.markers import RunAsCall, inline
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
@@ -59,6 +65,7 @@ __all__ = ["RRef", "attach", "create_remote", "debug_info", "detach", "release_a
 
 RRefId = tuple[int, int, int]  # (owner rank, rank that created it, counter there)
 _counter = itertools.count(1)
+NO_HOLD = 0  # the fork token of an RRef sent to its owner in a call: nothing to release
 _current: RRefContext | None = None
 
 
@@ -115,7 +122,7 @@ class RRefContext:
         # users/pending_children are touched from any thread; re-entrant because the garbage
         # collector may run an RRef finalizer (which takes it) inside any locked block.
         self._lock = threading.RLock()
-        self._tokens = itertools.count(1)
+        self._tokens = itertools.count(NO_HOLD + 1)
         self._closed = False
 
     @property
@@ -197,7 +204,8 @@ class RRefContext:
         """Rebuild a pickled RRef on its owner: an owner RRef over the existing value."""
         rref = RRef._make(self.agent.info, rref_id)
         self.track_owner_ref(rref)
-        self.child_accepted_at(sender, token)
+        if token != NO_HOLD:
+            self.child_accepted_at(sender, token)
         return rref
 
     def track_owner_ref(self, rref: RRef[Any]) -> None:
@@ -494,10 +502,16 @@ class RRef(Generic[T]):
                 "Can not pickle rref in python pickler, rref can only be pickled when using RPC"
             )
         context = _context()
+        me = context.agent.info.id
+        if self._owner.id != me and ordered_receiver() == self._owner.id:
+            # A call to the owner: it adopts the RRef while decoding the call, before it can
+            # see this worker's deletion of it (same link, arrival order). No fork hold, and
+            # no acknowledgment to wait for (token 0).
+            return (_rebuild_rref, (self._owner, self._id, me, NO_HOLD))
         token = context.hold_child(self)
         # If the message never reaches its receiver, the hold is given back.
         on_undelivered(functools.partial(context.release_child, token))
-        return (_rebuild_rref, (self._owner, self._id, context.agent.info.id, token))
+        return (_rebuild_rref, (self._owner, self._id, me, token))
 
     def __repr__(self) -> str:
         try:
@@ -530,8 +544,9 @@ class _Proxy:
             if mode == "remote":
                 _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
-            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout)
-            return future.wait() if mode == "sync" else future
+            sync = mode == "sync"
+            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout, waited=sync)
+            return future.wait() if sync else future
 
         call.__name__ = method
         return call
@@ -626,6 +641,10 @@ def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: di
             f"restricted mode refused calling {method!r} through an RRef: only public methods "
             "(names without a leading underscore) of an RRef's value can be called"
         )
+    entry = _context().entry(rref._id)
+    if entry.value.done() and confirmation_gate.get() is None:
+        # The usual case: the method runs as a plain call to it would (a pool thread answers).
+        return RunAsCall(getattr(_value_or_copy_of_error(entry.value), method), args, kwargs)
     return _when_owned(
         rref._id, lambda value: agent.start_user_function(getattr(value, method), args, kwargs)
     )
