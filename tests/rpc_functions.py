@@ -369,6 +369,29 @@ def chained_failure(to: str, message: str) -> Any:
     return rpc.rpc_async(to, raise_value_error, args=(message,)).then(lambda fut: fut.value())
 
 
+@rpc.functions.async_execution
+def future_later(key: str, seconds: float) -> Any:
+    """An rpcdist Future completed ``seconds`` from now by a timer thread (recorded in
+    :func:`get_state` as "completed")."""
+    fut: Any = rpc.Future()
+
+    def complete() -> None:
+        _states.setdefault(key, []).append("completed")
+        fut.set_result(key)
+
+    timer = threading.Timer(seconds, complete)
+    timer.daemon = True
+    timer.start()
+    return fut
+
+
+def calls_running() -> int:
+    """Peers' calls this worker runs now (its status counts), this one included."""
+    from rpcdist.agent import current_agent
+
+    return int(current_agent().status()["counts"]["calls_running"])
+
+
 # ----------------------------------------------------------------------------- RRef helpers
 class Counter:
     """A small stateful object to keep behind an RRef."""

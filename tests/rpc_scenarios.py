@@ -888,6 +888,18 @@ def _error_checks_rank0() -> None:  # noqa: C901 - a list of independent checks
             assert state == ["started", "cancelled"], f"on {to}: {state}"
         c.value = state
 
+    with check("timeout/async_execution_answer_dropped") as c:
+        # An async_execution function returned a Future that is not done when its caller gives
+        # up: the callee drops the call at once (its graceful shutdown never waits for it), and
+        # the Future's completion later answers nothing and breaks nothing.
+        assert rpc.rpc_sync("w1", rf.future_later, ("quick", 0.05), timeout=CALL_TIMEOUT) == "quick"
+        with raises(RpcTimeoutError):
+            rpc.rpc_sync("w1", rf.future_later, ("dropped", 2.0), timeout=0.5)
+        wait_until(lambda: rpc.rpc_sync("w1", rf.calls_running, timeout=CALL_TIMEOUT) == 1, 15, "the drop")
+        wait_until(lambda: rpc.rpc_sync("w1", rf.get_state, ("dropped",)) == ["completed"], 15, "completion")
+        c.value = rpc.rpc_sync("w1", rf.future_later, ("after", 0.05), timeout=CALL_TIMEOUT)
+        assert c.value == "after"
+
     with check("bad/unknown_worker"):
         for to in ("nobody", 7, -1, rpc.WorkerInfo("w1", 5), rpc.WorkerInfo("ghost", 1)):
             for api_fn in (rpc.rpc_async, rpc.rpc_sync, rpc.remote):

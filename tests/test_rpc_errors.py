@@ -44,6 +44,10 @@ def test_timed_out_async_function_is_cancelled(run: GroupRun) -> None:
     assert run.check("timeout/async_cancelled") == ["started", "cancelled"]
 
 
+def test_async_execution_future_not_done_at_timeout_is_dropped_by_the_callee(run: GroupRun) -> None:
+    assert run.check("timeout/async_execution_answer_dropped") == "after"
+
+
 def test_timeout_of_a_call_its_thread_wrote_itself(run: GroupRun) -> None:
     run.check("timeout/sent_from_this_thread")
 

@@ -16,6 +16,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -88,7 +89,7 @@ class InboundSession:
         await self.writer.close()
 
     def cleanup(self) -> None:
-        for job in self.running.values():
+        for job in list(self.running.values()):
             job.cancel()
         self.writer.abort()
         shm.remove(self.exported)
@@ -124,6 +125,23 @@ class _ThreadJob:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+class _AwaitedAnswer:
+    """A call whose function has run and whose answer waits for the Future it returned;
+    cancelled (by its caller, or the session's end), it is no longer waited for."""
+
+    __slots__ = ("cancelled", "_session", "_call_id")
+
+    def __init__(self, session: InboundSession, call_id: int) -> None:
+        self.cancelled = False
+        self._session = session
+        self._call_id = call_id
+
+    def cancel(self) -> None:  # (loop)
+        self.cancelled = True
+        self._session.arrivals.pop(self._call_id, None)
+        self._session.untrack(self._call_id)
 
 
 class Callee:
@@ -417,8 +435,11 @@ class Callee:
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
             return
         if is_async_execution(func):
-            if not (isinstance(result, Future) and result.done() and result.exception() is None):
+            if not isinstance(result, Future):  # an awaitable: awaited by a task on the loop
                 inbox.post(lambda: self._finish_later(session, call_id, function, result))
+                return
+            if not (result.done() and result.exception() is None):
+                self._answer_on_completion(session, call_id, function, result)
                 return
             result = result.value()  # settled already: answered like a plain result
         try:
@@ -447,6 +468,40 @@ class Callee:
     def _finish_error(self, session: InboundSession, call_id: int, function: str, exc: BaseException) -> None:
         session.untrack(call_id)
         self._respond_error(session, call_id, function, exc)
+
+    def _answer_on_completion(
+        self, session: InboundSession, call_id: int, function: str, result: Future[Any]
+    ) -> None:
+        """Answer an ``async_execution`` call once the rpcdist Future it returned completes,
+        from that completion (on the loop: the answer to a call it made, typically) rather than
+        a task: no wake-up of the loop to start waiting, no task per call."""
+        agent = self.agent
+        answer = _AwaitedAnswer(session, call_id)
+        session.track(call_id, answer)  # (a CANCEL, or the session's end, drops it)
+        # Answered in the call's own contextvars (its extension state), as a result returned
+        # at once is, not in whatever context completes the future.
+        within = contextvars.copy_context()
+
+        def respond() -> None:  # on the loop
+            if answer.cancelled:
+                return
+            session.untrack(call_id)
+            error = result.exception()
+            if error is not None:
+                self._respond_error(session, call_id, function, error)
+            else:
+                self._respond(session, call_id, function, result.value())
+
+        def completed(_: Future[Any]) -> None:
+            try:
+                if threading.get_ident() == agent.loop_thread_id:
+                    within.run(respond)
+                else:
+                    agent.inbox.post(lambda: within.run(respond))
+            except Exception:  # noqa: BLE001 - never into whoever completed the future
+                log.exception("%s: answering the call to %s failed", agent.info.name, function)
+
+        result._on_done(completed)
 
     def _finish_later(self, session: InboundSession, call_id: int, function: str, result: Any) -> None:
         async def complete() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -176,22 +177,15 @@ async def _awaitable(future: Any) -> Any:
     return await future
 
 
-async def _all_done(passes: list[Any]) -> None:
-    """Wait (on the loop) for the passes a :func:`backward_from_send` started elsewhere."""
-    if len(passes) == 1:
-        await passes[0]
-    else:
-        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
-
-
 @trust
 def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any:
     """On the worker that sent a tensor (a pool thread): continue the backward pass from it.
     The local graph runs right on this thread (no hop back to the loop between the message and
-    the work); the call completes once the passes it started elsewhere did, waited for on the
-    loop (``async_execution``): a pool thread blocked in that wait could be the one a nested
-    pass coming back here needs, and many concurrent backward passes (torch's
-    test_async_dist_autograd: 40 threads) would hold every pool thread so, a deadlock."""
+    the work); the call completes once the passes it started elsewhere did, through the
+    Future it returns (``async_execution``), never a wait on this thread: a pool thread blocked
+    in that wait could be the one a nested pass coming back here needs, and many concurrent
+    backward passes (torch's test_async_dist_autograd: 40 threads) would hold every pool
+    thread so, a deadlock."""
     agent = current_agent()
     context = _contexts.lookup(context_id)
     if context is None:
@@ -203,11 +197,31 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any
         raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
     with _contexts.entered(None):  # the passes it starts are not calls made in the context
         passes = pass_on(agent, context, _local_gradients([tensor], [grad]))
+    done: Future[None] = Future()
     if not passes:  # a leaf of the distributed graph: answered at once, from this thread
-        done: Future[None] = Future()
         done.set_result(None)
         return done
-    return _all_done(passes)
+    # Answered when the last pass it started completes (the callee answers from that
+    # completion, on the loop: no task, no wake-up of the loop to start waiting).
+    remaining = [len(passes)]
+    lock = threading.Lock()
+
+    def one_done(finished: Any) -> None:
+        error = finished.exception()
+        with lock:
+            if remaining[0] <= 0:  # settled already (an earlier pass failed)
+                return
+            remaining[0] = 0 if error is not None else remaining[0] - 1
+            if remaining[0]:
+                return
+        if error is not None:  # the first failure is the pass's error
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    for p in passes:
+        p._on_done(one_done)
+    return done
 
 
 setattr(backward_from_send, ASYNC_EXECUTION_ATTR, True)  # (returns an awaitable; see above)
