@@ -26,6 +26,7 @@ from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, RunAsCall, is_async_execution, is_inline
+from rpcdist.agent.threads import EmptyWaiter
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
 from rpcdist.futures import Future
 from rpcdist.transport import Entries, frames, shm
@@ -47,7 +48,7 @@ class InboundSession:
         # call_id -> asyncio.Task, asyncio.Future or _ThreadJob. Added to on the loop; a pool
         # thread that answered its call itself removes it (see untrack).
         self.running: dict[int, Any] = {}
-        self._idle_waiter: asyncio.Future[None] | None = None  # finish() waiting for running to empty
+        self._idle = EmptyWaiter(self.running)  # finish() waits for the running calls
         self.caller_rank = -1
         self.peer_name = ""  # the caller's name, once its first request has told its rank
         self.traffic: metrics.Traffic | None = None  # its byte counters, while metrics are on
@@ -77,15 +78,7 @@ class InboundSession:
 
     async def finish(self) -> None:
         """The caller is done sending: finish its calls, then flush the replies."""
-        loop = asyncio.get_running_loop()
-        while True:
-            # The waiter exists before running is looked at: a thread that empties it after
-            # this look sees the waiter and wakes it.
-            waiter = self._idle_waiter = loop.create_future()
-            if not self.running:
-                break
-            await waiter
-        self._idle_waiter = None
+        await self._idle.wait()
         await self.writer.close()
 
     def cleanup(self) -> None:
@@ -110,9 +103,7 @@ class InboundSession:
     def untrack(self, call_id: int) -> None:
         """The call ended (any thread)."""
         self.running.pop(call_id, None)
-        waiter = self._idle_waiter
-        if waiter is not None and not self.running:
-            self.callee.agent.loop.call_soon_threadsafe(_settle, waiter)
+        self._idle.wake_if_empty()
 
 
 class _ThreadJob:

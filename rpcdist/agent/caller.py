@@ -29,6 +29,7 @@ from rpcdist import metrics, serialization
 from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.extensions import run_undo
 from rpcdist.agent.options import WorkerInfo
+from rpcdist.agent.threads import EmptyWaiter
 from rpcdist.errors import (
     RpcError,
     RpcTimeoutError,
@@ -110,7 +111,7 @@ class Caller(LinkHandler):
         # Guards in_flight and the sweep's state against threads sending calls themselves.
         self._lock = threading.Lock()
         self._sweeping = False  # the sweep of deadlines runs (or is about to)
-        self._idle_waiter: asyncio.Future[None] | None = None  # wait_idle() waiting for pending to empty
+        self._idle = EmptyWaiter(self.pending)  # wait_idle() waits for the calls in flight
 
     # ------------------------------------------------------------------ sending
     def submit(
@@ -335,24 +336,11 @@ class Caller(LinkHandler):
             self._send(link, queued)
         if not queue:
             self.waiting.pop(rank, None)
-        self._check_idle()
+        self._idle.wake_if_empty()
 
     async def wait_idle(self) -> None:
         """Return once no call is pending (loop only)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            # The waiter exists before pending is looked at: whoever empties it later sees it.
-            waiter = self._idle_waiter = loop.create_future()
-            if not self.pending:
-                break
-            await waiter
-        self._idle_waiter = None
-
-    def _check_idle(self) -> None:
-        """Wake wait_idle() if no call is pending any more (loop only)."""
-        waiter = self._idle_waiter
-        if waiter is not None and not self.pending and not waiter.done():
-            waiter.set_result(None)
+        await self._idle.wait()
 
     def _abandon(self, call: OutgoingCall, error: BaseException) -> None:
         """The call never left: give back what it took and fail it."""
@@ -388,7 +376,7 @@ class Caller(LinkHandler):
             run_undo(call.undo)  # it never left: give back what it carried
             call.undo, call.payload, call.buffers = [], b"", []
         self._ended(call)
-        self._check_idle()
+        self._idle.wake_if_empty()
         if call.metric is not None:
             call.metric.failed(error)
         call.future._try_complete(None, error)
@@ -423,7 +411,7 @@ class Caller(LinkHandler):
             if call.timer is not None:
                 call.timer.cancel()
             self._ended(call)
-            self._check_idle()
+            self._idle.wake_if_empty()
             if isinstance(buffers, Exception):
                 self._complete(
                     call, None, RpcError(f"cannot receive the result of {call.function}: {buffers}")

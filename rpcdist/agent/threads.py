@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any
 
 from rpcdist._runtime import match_torch_threads, pool_thread_of
@@ -58,6 +58,45 @@ class LoopInbox:
                 log.exception("callback posted to the rpcdist loop raised")
             finally:
                 items.popleft()
+
+
+class EmptyWaiter:
+    """Lets the loop wait until a container that other code (any thread) empties is empty:
+    a session's running calls before it closes, the calls in flight before shutdown."""
+
+    __slots__ = ("_container", "_waiter")
+
+    def __init__(self, container: Sized) -> None:
+        self._container = container
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def wait(self) -> None:
+        """Return once the container is empty (loop only)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            # The waiter exists before the container is looked at: whoever empties it after
+            # this look sees the waiter and wakes it.
+            waiter = self._waiter = loop.create_future()
+            if not self._container:
+                break
+            await waiter
+        self._waiter = None
+
+    def wake_if_empty(self) -> None:
+        """Call after taking something out of the container (any thread)."""
+        waiter = self._waiter
+        if waiter is None or self._container:
+            return
+        loop = waiter.get_loop()
+        if asyncio._get_running_loop() is loop:
+            _settle(waiter)
+        else:
+            loop.call_soon_threadsafe(_settle, waiter)
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class WorkerPool:

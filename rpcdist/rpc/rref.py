@@ -167,7 +167,15 @@ class RRefContext:
                 self.users[rref_id] = weakref.ref(rref)
                 weakref.finalize(rref, self._user_finalized, rref_id)
                 fresh = True
-        if fresh:
+        if fresh and sender == owner.id:
+            # The owner forked it to us and keeps its fork hold until it hears from us: the
+            # value cannot go meanwhile, so the RRef is confirmed now (torch's early fork
+            # registration) and our registration is a notice, not a call to wait for. (It
+            # travels after any deletion of an earlier RRef of ours to this value.)
+            self.agent.notify(
+                owner, _register, (rref_id, me, sender, token), function_name="rpcdist.rref.register"
+            )
+        elif fresh:
             registered = self.agent.submit(
                 owner,
                 _register,
@@ -228,9 +236,7 @@ class RRefContext:
         if sender == self.agent.info.id:
             self.release_child(token)
         else:
-            self.agent.submit(
-                sender, _child_accepted, (token,), None, 0, function_name="rpcdist.rref.accepted"
-            )
+            self.agent.notify(sender, _child_accepted, (token,), function_name="rpcdist.rref.accepted")
 
     def hold_child(self, rref: RRef[Any]) -> int:
         token = next(self._tokens)
