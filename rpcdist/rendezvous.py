@@ -266,6 +266,7 @@ async def join_group(
         # rank's card, and this rank's says why the group cannot start.
         if await store.compare_set_async(f"rank/{rank}", b"", name) == name.encode():
             await store.set_async(f"address/{rank}", json.dumps({_FAILED: message}))
+            await _all_told(store, world_size, timeout)
         raise MembershipError(message)
     holder = await store.compare_set_async(f"rank/{rank}", b"", name)
     if holder != name.encode():
@@ -286,6 +287,7 @@ async def join_group(
         cards.append(json.loads(await store.get_async(f"address/{r}", remaining)))
     failures = [c[_FAILED] for c in cards if _FAILED in c]
     if failures:
+        await _all_told(store, world_size, timeout)
         raise MembershipError(
             f"the group cannot start: {'; '.join(failures)} (worker {name!r}, rank {rank}, fails with it)"
         )
@@ -298,6 +300,18 @@ async def join_group(
 
 
 _FAILED = "failed"  # the key of a card that says why its rank could not join (no address)
+_TOLD_SECONDS = 10.0  # the longest a failing member waits for the others to learn of it
+
+
+async def _all_told(store: Store, world_size: int, timeout: float) -> None:
+    """The group fails: wait (briefly) until every member has read why, before this one goes
+    on to fail. Rank 0 serves the store: leaving at once, it would take the store, and the
+    reason, away from a member still on its way to read it (which would then fail with an
+    unreachable store instead of the reason)."""
+    try:
+        await leave_barrier(store, "failed_group", world_size, min(timeout, _TOLD_SECONDS))
+    except (StoreError, OSError) as exc:  # a member that never comes: fail anyway
+        log.debug("not every member of the failed group was told: %s", exc)
 
 
 async def arrive(store: Store, key: str, world_size: int) -> None:
