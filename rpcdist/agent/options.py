@@ -60,7 +60,10 @@ class RpcBackendOptions:
     Args:
         init_method: ``env://`` (MASTER_ADDR/MASTER_PORT), ``tcp://host:port`` or ``file:///path``.
         rpc_timeout: default timeout of every call, seconds (0: none).
-        num_worker_threads: threads that run blocking (non-``async``) user functions.
+        num_worker_threads: threads that run blocking (non-``async``) user functions; at most
+            one per core runs at a time (the interpreter lock makes more only hand it over),
+            a function waiting for an rpcdist future lends its place, and a call queued for
+            10 ms starts anyway, up to this many threads.
         max_payload_bytes: largest message (pickle plus tensor bytes) sent or accepted.
         chunk_bytes: size of the pieces large payloads are streamed in.
         shm_threshold_bytes: buffers at least this large go to peers on the same host through
