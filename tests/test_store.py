@@ -84,7 +84,9 @@ def free_port() -> int:
 
 # A worker process: talks to a store given on its command line, prints a JSON result.
 WORKER = r"""
-import json, sys
+import faulthandler, json, sys
+# Stuck past the test's patience: print every thread's stack (the test reports it), then exit.
+faulthandler.dump_traceback_later(WORKER_STACKS_AFTER, exit=True)
 from rpcdist.store import EtcdStore, FileStore, GrpcStore
 
 kind, where, mode, key = sys.argv[1:5]
@@ -107,13 +109,24 @@ print(json.dumps(result))
 """
 
 
+WORKER_SECONDS = 90  # how long a test waits for a worker process
+WORKER_STACKS_AFTER = 75  # when a worker still running prints its stacks and exits
+
+
 def run_worker(spec: tuple[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", WORKER, *spec, *args], stdout=subprocess.PIPE, text=True)
+    code = WORKER.replace("WORKER_STACKS_AFTER", str(WORKER_STACKS_AFTER))
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *spec, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def worker_result(proc: subprocess.Popen[str]) -> object:
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, f"worker failed with exit code {proc.returncode}"
+    try:
+        out, err = proc.communicate(timeout=WORKER_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, f"worker failed with exit code {proc.returncode}; its stderr:\n{err}"
     return json.loads(out)
 
 

@@ -105,10 +105,9 @@ class WorkerPool:
 
     Why a limit: Python threads share one interpreter lock, and torch releases it around
     every op, so N threads running small torch functions at once hand the lock back and forth
-    at each op. With 8 concurrent calls on 2 cores, an RL agent spent twice the CPU per call
-    and lost 30 % of its throughput to those hand-offs; with 2 running at a time it served
-    1.5x as many calls. A thread that finishes its job takes the next one queued itself (no
-    wake-up of another thread).
+    at each op. With 8 concurrent calls on 2 cores, an RL agent spent 1.5x the CPU per call
+    with 16 threads running as with 2, and served 1.4x as many calls with 2. A thread that
+    finishes its job takes the next one queued itself (no wake-up of another thread).
 
     Jobs may block, so the limit cannot be strict:
     - a job waiting for an rpcdist future (a nested ``rpc_sync``, ``to_here()``, a distributed
