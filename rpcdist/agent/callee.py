@@ -26,7 +26,7 @@ from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
 from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, RunAsCall, is_async_execution, is_inline
-from rpcdist.agent.threads import EmptyWaiter
+from rpcdist.agent.threads import EmptyWaiter, settle
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
 from rpcdist.futures import Future
 from rpcdist.transport import Entries, frames, shm
@@ -555,7 +555,7 @@ async def awaitable(result: Any) -> Any:
     if callable(wait) and hasattr(result, "add_done_callback"):  # torch.futures.Future
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        result.add_done_callback(lambda f: loop.call_soon_threadsafe(_settle, done))
+        result.add_done_callback(lambda f: loop.call_soon_threadsafe(settle, done))
         await done
         return result.wait()
     raise RuntimeError(  # torch's wording, which its users match
@@ -579,8 +579,3 @@ def _loading_error(exc: Exception) -> Exception:
 
 def _call(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return func(*args, **kwargs)
-
-
-def _settle(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)

@@ -89,12 +89,13 @@ class EmptyWaiter:
             return
         loop = waiter.get_loop()
         if asyncio._get_running_loop() is loop:
-            _settle(waiter)
+            settle(waiter)
         else:
-            loop.call_soon_threadsafe(_settle, waiter)
+            loop.call_soon_threadsafe(settle, waiter)
 
 
-def _settle(waiter: asyncio.Future[None]) -> None:
+def settle(waiter: asyncio.Future[None]) -> None:
+    """Complete a loop-side waiter with None, unless it is done already (loop only)."""
     if not waiter.done():
         waiter.set_result(None)
 
@@ -132,10 +133,6 @@ class WorkerPool:
         self._watchdog: threading.Condition | None = None
         self._watchdog_asleep = False  # waiting for jobs to be queued (not for a deadline)
         self._closed = False
-
-    @property
-    def running_limit(self) -> int:
-        return self._limit
 
     def submit(self, job: Callable[[], Any]) -> None:
         with self._lock:
