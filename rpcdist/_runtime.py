@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -146,6 +147,20 @@ def stray_cancellation() -> bool:
     clean-up path may then treat as that operation's failure instead of giving up."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
+
+
+async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:
+    """``await aw`` for at most ``timeout`` seconds (None: no limit), else ``TimeoutError``.
+
+    Use instead of ``asyncio.wait_for``: on Python 3.11 that one loses a cancellation of the
+    waiting task that arrives as ``aw`` completes, and a task cancelled in that instant carries
+    on as if nothing happened (an etcd client's keep-alive ran on forever that way, and its
+    ``close()`` waited for it forever).
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await aw
+    return await asyncio.wait_for(aw, timeout)  # 3.10 has neither the fix nor asyncio.timeout
 
 
 def current_loop() -> asyncio.AbstractEventLoop | None:

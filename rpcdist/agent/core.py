@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rpcdist import metrics, serialization
+from rpcdist._runtime import wait_for
 from rpcdist.agent.callee import Callee, awaitable
 from rpcdist.agent.caller import Caller
 from rpcdist.agent.codec import pickle_message
@@ -158,7 +159,7 @@ class Agent:
     async def wait_for_outstanding(self, timeout: float | None) -> None:
         """Wait until every call this worker made has completed (or ``timeout`` passes)."""
         try:
-            await asyncio.wait_for(self.caller.wait_idle(), timeout)
+            await wait_for(self.caller.wait_idle(), timeout)
         except asyncio.TimeoutError:
             log.warning(
                 "%s: %d calls still outstanding at shutdown", self.info.name, len(self.caller.pending)

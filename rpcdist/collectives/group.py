@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rpcdist._runtime import wait_for
 from rpcdist.agent.markers import inline
 from rpcdist.collectives.loans import LOAN_MIN_BYTES, Loan, borrow_tensor, lend_tensor
 from rpcdist.collectives.mailbox import Mailbox
@@ -142,7 +143,7 @@ class ProcessGroup:
         if src is not None:
             self._state.agent.watch(src)  # so that its death ends this wait
         try:
-            sender, payload = await asyncio.wait_for(
+            sender, payload = await wait_for(
                 self._state.mailbox.take((self.group_id, tag), src),
                 self.timeout if self.timeout > 0 else None,
             )

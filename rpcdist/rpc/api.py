@@ -22,7 +22,7 @@ import torch
 
 from rpcdist import metrics
 from rpcdist import rendezvous as rdv
-from rpcdist._runtime import acquire_loop, call_blocking, release_loop, stray_cancellation
+from rpcdist._runtime import acquire_loop, call_blocking, release_loop, stray_cancellation, wait_for
 from rpcdist.agent import Agent, current_agent, set_current_agent
 from rpcdist.agent.options import (
     DEFAULT_INIT_METHOD,
@@ -245,7 +245,7 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
                     live = [r for r in range(agent.world_size) if r not in dead]
                     await rdv.wait_checked_in(store, "exit", live, min(remaining() or 30.0, 30.0))
                 else:  # one message; if the store host is gone there is nobody left to tell
-                    await asyncio.wait_for(rdv.check_in(store, "exit", agent.info.id), 10.0)
+                    await wait_for(rdv.check_in(store, "exit", agent.info.id), 10.0)
             except Exception as exc:
                 log.warning("%s: exit barrier failed: %s", agent.info.name, exc)
             except asyncio.CancelledError:

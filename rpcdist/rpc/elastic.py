@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rpcdist import _launch_env
+from rpcdist._runtime import wait_for
 from rpcdist.agent import Agent, WorkerInfo, current_agent
 from rpcdist.agent.markers import inline
 from rpcdist.errors import MembershipError, RendezvousError, RpcError, StoreError
@@ -301,8 +302,8 @@ async def membership_change(timeout: float | None = None) -> MembershipChange:
     waiter: asyncio.Future[MembershipChange] = agent.loop.create_future()
     agent.on_loop(lambda: _waiters.append(waiter))
     if asyncio.get_running_loop() is agent.loop:
-        return await asyncio.wait_for(waiter, timeout)
-    on_agent_loop = asyncio.run_coroutine_threadsafe(asyncio.wait_for(waiter, timeout), agent.loop)
+        return await wait_for(waiter, timeout)
+    on_agent_loop = asyncio.run_coroutine_threadsafe(wait_for(waiter, timeout), agent.loop)
     return await asyncio.wrap_future(on_agent_loop)
 
 

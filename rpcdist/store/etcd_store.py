@@ -45,6 +45,7 @@ from urllib.parse import parse_qs, unquote
 
 import grpc
 
+from rpcdist._runtime import wait_for
 from rpcdist.errors import StoreConnectionError, StoreError, StoreValueError
 from rpcdist.store.api import DEFAULT_TIMEOUT, Store, to_seconds
 from rpcdist.store.memory import INT64_MAX, INT64_MIN, parse_counter, timeout_error
@@ -336,9 +337,9 @@ class EtcdStore(Store):
             member = self._member()
             stream = member.lease.LeaseKeepAlive()
             try:
-                while self._lease_id == lease:
+                while self._lease_id == lease and not self._closed:
                     await stream.write(pb.LeaseKeepAliveRequest(ID=lease))
-                    reply = await asyncio.wait_for(stream.read(), ATTEMPT_TIMEOUT)
+                    reply = await wait_for(stream.read(), ATTEMPT_TIMEOUT)
                     if reply is grpc.aio.EOF:
                         raise _StreamBroken("keep-alive stream ended")
                     if reply.TTL <= 0:
@@ -446,7 +447,7 @@ class EtcdStore(Store):
                 if end == math.inf:
                     await self._watch_until_set(pending, revision + 1)
                 else:
-                    await asyncio.wait_for(self._watch_until_set(pending, revision + 1), end - loop.time())
+                    await wait_for(self._watch_until_set(pending, revision + 1), end - loop.time())
                 return
             except asyncio.TimeoutError:
                 raise timeout_error([names[n] for n in pending], timeout) from None
@@ -569,13 +570,28 @@ class EtcdStore(Store):
     async def _close(self) -> None:
         # The lease is the job's, not this client's: it is left to run out once every client
         # of the job stopped renewing it.
+        # Each step is bounded: a client that cannot finish closing still lets its program exit.
         task, self._keep_alive_task = self._keep_alive_task, None
         if task is not None:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            done, _ = await asyncio.wait({task}, timeout=ATTEMPT_TIMEOUT)
+            if not done:
+                log.warning(
+                    "etcd prefix %r: the lease keep-alive did not stop within %.0f s",
+                    self.prefix,
+                    ATTEMPT_TIMEOUT,
+                )
         members, self._members = list(self._members.values()), {}
         for member in members:
-            await member.channel.close()
+            try:
+                await wait_for(member.channel.close(), ATTEMPT_TIMEOUT)
+            except TimeoutError:
+                log.warning(
+                    "etcd prefix %r: the channel to %s did not close within %.0f s",
+                    self.prefix,
+                    member.endpoint,
+                    ATTEMPT_TIMEOUT,
+                )
 
     def __repr__(self) -> str:
         return f"<EtcdStore {self.address} prefix={self.prefix!r}>"

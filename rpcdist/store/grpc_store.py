@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from rpcdist._runtime import wait_for
 from rpcdist.errors import (
     AuthenticationError,
     StoreConnectionError,
@@ -142,7 +143,7 @@ class GrpcStore(Store):
         channel = self._channel
         if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
             try:
-                await asyncio.wait_for(channel.channel_ready(), limit)
+                await wait_for(channel.channel_ready(), limit)
             except asyncio.TimeoutError:
                 hint = "" if self._security.tls else "; if it serves TLS, set RPCDIST_TLS_CA"
                 why = await self._why_unconnected(self._stub)

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rpcdist._runtime import wait_for
 from rpcdist.errors import StoreTimeoutError, StoreValueError
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ class KeyValueState:
             waiter: asyncio.Future[None] = loop.create_future()
             self._waiters.setdefault(key, set()).add(waiter)
             try:
-                await asyncio.wait_for(waiter, remaining)
+                await wait_for(waiter, remaining)
             except asyncio.TimeoutError:
                 pass  # the loop re-checks the keys, then raises with the ones still missing
             finally:

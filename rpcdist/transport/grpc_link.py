@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from rpcdist._runtime import stray_cancellation
+from rpcdist._runtime import stray_cancellation, wait_for
 from rpcdist.security import Security
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Write
 from rpcdist.transport.frames import FrameError
@@ -74,9 +74,9 @@ class GrpcLink(Link):
     async def close(self, graceful: bool) -> None:
         try:
             if graceful:
-                await asyncio.wait_for(self.writer.close(), 5.0)
-                await asyncio.wait_for(self.call.done_writing(), 5.0)
-                await asyncio.wait_for(asyncio.shield(self.reader), 5.0)
+                await wait_for(self.writer.close(), 5.0)
+                await wait_for(self.call.done_writing(), 5.0)
+                await wait_for(asyncio.shield(self.reader), 5.0)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass
         except asyncio.CancelledError:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rpcdist._runtime import stray_cancellation
+from rpcdist._runtime import stray_cancellation, wait_for
 from rpcdist.security import ACCEPTED, HELLO_BYTES, REFUSED, VERDICT_BYTES, Security
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
 from rpcdist.transport.frames import FrameError
@@ -349,13 +349,13 @@ class UnixLink(Link):
     async def close(self, graceful: bool) -> None:
         try:
             if graceful:
-                await asyncio.wait_for(self.writer.close(), 5.0)
-                protocol = await asyncio.wait_for(self._connected, 5.0)
+                await wait_for(self.writer.close(), 5.0)
+                protocol = await wait_for(self._connected, 5.0)
                 transport = protocol.transport
                 # The peer may have closed first (its EOF closes ours): nothing left to end.
                 if transport is not None and not transport.is_closing() and transport.can_write_eof():
                     transport.write_eof()
-                await asyncio.wait_for(self._eof.wait(), 5.0)  # the callee finished our calls
+                await wait_for(self._eof.wait(), 5.0)  # the callee finished our calls
         except (asyncio.TimeoutError, OSError, RuntimeError):
             pass  # RuntimeError: uvloop's word for a transport closed under us
         except asyncio.CancelledError:
