@@ -39,22 +39,28 @@ class Exchange:
         self.me = group.rank()
         self.size = group.size()
         self._sent: list[Any] = []
+        self._copied: list[Any] = []  # sends nobody waits for; a failure seen by then is raised
         self._loans: list[Loan] = []
 
     def send(self, to: int, step: int, payload: Any, meta: Any = None, lend: bool = True) -> None:
-        """Send to group rank ``to``. A small tensor is copied now and an object pickled now, so
-        nobody waits for their receipt; a large tensor must stay untouched until :meth:`flush`
-        (the receiver has it)."""
+        """Send to group rank ``to``. A small tensor is copied now, a large one lent to a
+        co-located peer is copied into its slot now and an object is pickled now, so nobody
+        waits for their receipt (:meth:`flush` raises a failure already known); any other
+        large tensor must stay untouched until :meth:`flush` (the receiver has it)."""
         large = (
             isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() >= RING_MIN_BYTES
         )
         if isinstance(payload, torch.Tensor) and not large:
             payload = payload.clone()  # its bytes are only copied when the writer runs
+        # A lent tensor is copied into its slot right here: the next step need not wait for the
+        # receiver to hand the slot back (which costs the ring one hand-off per step).
+        copied = not large or (lend and self.group.lends(to, payload))
         future = self.group.send(to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend)
-        if large:
-            self._sent.append(future)
-        else:  # copied already (objects are pickled in-band right here): nothing to wait for
+        if copied:  # (objects are pickled in-band right here too)
             future.add_done_callback(_log_failure)
+            self._copied.append(future)
+        else:
+            self._sent.append(future)
 
     async def recv(self, source: int, step: int, expect_meta: Any = None) -> Any:
         """The payload ``source`` sent for ``step``. A lent tensor stays valid until
@@ -91,6 +97,12 @@ class Exchange:
         sent, self._sent = self._sent, []
         for future in sent:
             await future
+        copied, self._copied = self._copied, []
+        for future in copied:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+            if not future.done():
+                self._copied.append(future)
 
     def others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.me]

@@ -100,6 +100,16 @@ class ProcessGroup:
             return self._sequence
 
     # -- messages -----------------------------------------------------------------------------------
+    def lends(self, to_group_rank: int, payload: Any) -> bool:
+        """Whether :meth:`send` would lend ``payload`` to this member through a shared-memory
+        slot (a large tensor to a co-located peer): it is copied into the slot at once, so the
+        caller's tensor may change as soon as ``send`` returns."""
+        return (
+            isinstance(payload, torch.Tensor)
+            and payload.numel() * payload.element_size() >= LOAN_MIN_BYTES
+            and self._state.agent.is_colocated(self.global_rank(to_group_rank))
+        )
+
     def send(
         self, to_group_rank: int, tag: Any, header: Any, payload: Any = None, lend: bool = True
     ) -> Future[Any]:
@@ -109,12 +119,7 @@ class ProcessGroup:
         state = self._state
         dest = self.global_rank(to_group_rank)
         agent = state.agent
-        if (
-            lend
-            and isinstance(payload, torch.Tensor)
-            and payload.numel() * payload.element_size() >= LOAN_MIN_BYTES
-            and agent.is_colocated(dest)
-        ):
+        if lend and self.lends(to_group_rank, payload):
             slot, descriptor = lend_tensor(state.slots, dest, payload)
             future = agent.submit(
                 dest,
