@@ -385,6 +385,20 @@ def future_later(key: str, seconds: float) -> Any:
     return fut
 
 
+def shared_slots() -> dict[str, int]:
+    """This worker's shared-memory slots: how many exist, how many buffers went out through
+    them, and how many responses hold one now (lent to callers that have not said they read
+    them)."""
+    from rpcdist.agent import current_agent
+
+    agent = current_agent()
+    return {
+        "made": agent.transport.slots.made,
+        "lends": agent.transport.slots.lends,
+        "held_by_responses": sum(len(session.lent) for session in list(agent.callee.sessions)),
+    }
+
+
 def calls_running() -> int:
     """Peers' calls this worker runs now (its status counts), this one included."""
     from rpcdist.agent import current_agent

@@ -291,7 +291,31 @@ def data(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any
     if rank == 0:
         _transport_checks()
         _api_checks()
+        _slot_checks()
     finish(rank, world_size)
+
+
+def _slot_checks() -> None:
+    with check("slots/reused_by_calls_and_results"):
+        # 1 MB arguments and results go through shared-memory slots: a few, reused, however
+        # many calls; a result's slot goes back to the callee once the caller read it.
+        before = rpc.rpc_sync("w1", rf.shared_slots)
+        for round_ in range(10):
+            xs = [torch.full((1 << 18,), float(round_ * 4 + i)) for i in range(4)]
+            futures = [rpc.rpc_async("w1", rf.echo, (x,)) for x in xs]
+            for x, fut in zip(xs, futures, strict=True):
+                y = fut.wait()
+                assert torch.equal(x, y), f"round {round_}: a 1 MB result came back different"
+                y += 1  # the caller's copy is its own
+        wait_until(
+            lambda: rpc.rpc_sync("w1", rf.shared_slots)["held_by_responses"] == 0,
+            10,
+            "the callee to get its result slots back",
+        )
+        after = rpc.rpc_sync("w1", rf.shared_slots)
+        lends, made = after["lends"] - before["lends"], after["made"] - before["made"]
+        assert lends >= 40, f"only {lends} of 40 results of 1 MB went through the callee's slots"
+        assert made <= 8, f"the callee made {made} new slots for 40 results of 1 MB"
 
 
 def data_transport(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:

@@ -151,6 +151,10 @@ def test_async_execution(run: GroupRun) -> None:
     run.check("async_execution/sync_mode")
 
 
+def test_large_arguments_and_results_reuse_shared_memory_slots(run: GroupRun) -> None:
+    run.check("slots/reused_by_calls_and_results")
+
+
 def test_clean_exit(transport: GroupRun) -> None:
     transport.assert_clean_exit()
 

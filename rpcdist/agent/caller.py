@@ -401,6 +401,10 @@ class Caller(LinkHandler):
             if message is None:
                 continue
             header, buffers = message
+            if header.shared_buffers:
+                read = frames.slot_names(header)  # copied out by now (or never to be read)
+                if read:
+                    link.writer.send(frames.encode_slots_read(read))
             call = self.pending.pop(header.call_id, None)
             if call is None:
                 continue  # timed out or cancelled meanwhile

@@ -112,7 +112,7 @@ class RpcBackendOptions:
     num_worker_threads: int = 16
     max_payload_bytes: int = 16 << 30
     chunk_bytes: int = 1 << 20
-    shm_threshold_bytes: int = 4 << 20
+    shm_threshold_bytes: int = 512 << 10
     transport: str = "auto"
     listen_host: str | None = None
     advertise_host: str | None = None

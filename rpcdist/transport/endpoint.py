@@ -3,7 +3,7 @@ and the shared-memory handoff to peers on the same host.
 
 Lifecycle::
 
-    transport = Transport(name, handler, make_session, shm_threshold_bytes=4 << 20)
+    transport = Transport(name, handler, make_session, shm_threshold_bytes=512 << 10)
     port = await transport.start("127.0.0.1")      # gRPC server (+ Unix socket when possible)
     card = transport.card("127.0.0.1")             # published at rendezvous
     transport.set_peers([...PeerAddress...])       # learned from rendezvous
@@ -73,7 +73,7 @@ class Transport(LinkHandler):
         handler: LinkHandler,
         make_session: SessionFactory,
         *,
-        shm_threshold_bytes: int = 4 << 20,
+        shm_threshold_bytes: int = 512 << 10,
         unix_sockets: bool = True,
         tcp_links: bool = False,
         heartbeat_interval: float = 1.0,

@@ -31,6 +31,7 @@ ERROR = agent_pb2.ERROR
 CANCEL = agent_pb2.CANCEL
 CHUNK = agent_pb2.CHUNK
 NOTIFY = agent_pb2.NOTIFY
+SLOTS_READ = agent_pb2.SLOTS_READ
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -352,6 +353,16 @@ class Assembly:
     @property
     def complete(self) -> bool:
         return self.remaining == 0
+
+
+def encode_slots_read(names: Sequence[str]) -> Iterator[list[bytes | memoryview]]:
+    """The entries telling a callee that the slots ``names`` of its responses were read."""
+    return encode_message(0, SLOTS_READ, "\n".join(names).encode(), [])
+
+
+def slot_names(header: Any) -> list[str]:
+    """The shared-memory slots a message's buffers were lent in (to be given back once read)."""
+    return [name for name in header.shared_buffers if shm.is_slot(name)]
 
 
 def collect(

@@ -177,6 +177,12 @@ class SlotPool:
         self._free: dict[int, list[Slot]] = {}
         self._names: set[str] = set()
         self._lock = threading.Lock()
+        self.lends = 0  # how many buffers went out through the slots
+
+    @property
+    def made(self) -> int:
+        """How many slots exist (each a mapping of at least 1 MB, kept for reuse)."""
+        return len(self._names)
 
     def lend(self, peer: int, data: memoryview | torch.Tensor) -> Slot:
         """Copy ``data`` (bytes) into a free slot for ``peer`` (a new one if none fits)."""
@@ -187,6 +193,7 @@ class SlotPool:
             slot = next((s for s in free if s.capacity >= nbytes), None)
             if slot is not None:
                 free.remove(slot)
+            self.lends += 1
         if slot is None:
             capacity = max(1 << 20, 1 << (nbytes - 1).bit_length())
             name = f"{_SLOT_PREFIX}{os.getpid()}-{_session}-{next(_names)}-{capacity}"

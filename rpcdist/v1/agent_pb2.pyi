@@ -16,6 +16,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCEL: _ClassVar[Kind]
     CHUNK: _ClassVar[Kind]
     NOTIFY: _ClassVar[Kind]
+    SLOTS_READ: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 REQUEST: Kind
 RESPONSE: Kind
@@ -23,6 +24,7 @@ ERROR: Kind
 CANCEL: Kind
 CHUNK: Kind
 NOTIFY: Kind
+SLOTS_READ: Kind
 
 class Frame(_message.Message):
     __slots__ = ("envelopes",)
