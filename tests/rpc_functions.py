@@ -387,16 +387,33 @@ def future_later(key: str, seconds: float) -> Any:
 
 def shared_slots() -> dict[str, int]:
     """This worker's shared-memory slots: how many exist, how many buffers went out through
-    them, and how many responses hold one now (lent to callers that have not said they read
-    them)."""
+    them, and how many given ones peers hold now (not yet named back in SLOTS_READ)."""
     from rpcdist.agent import current_agent
 
     agent = current_agent()
     return {
         "made": agent.transport.slots.made,
         "lends": agent.transport.slots.lends,
-        "held_by_responses": sum(len(session.lent) for session in list(agent.callee.sessions)),
+        "given_out": agent.transport.slots.given,
     }
+
+
+_kept: dict[str, torch.Tensor] = {}
+
+
+def keep_tensor(key: str, t: torch.Tensor) -> float:
+    """Keep a received tensor (and write into it, as a callee may); returns its sum."""
+    t[0] = -1.0
+    _kept[key] = t
+    return float(t.sum())
+
+
+def kept_tensor_sum(key: str) -> float:
+    return float(_kept[key].sum())
+
+
+def drop_kept_tensor(key: str) -> None:
+    del _kept[key]
 
 
 def calls_running() -> int:

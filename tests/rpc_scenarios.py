@@ -308,7 +308,7 @@ def _slot_checks() -> None:
                 assert torch.equal(x, y), f"round {round_}: a 1 MB result came back different"
                 y += 1  # the caller's copy is its own
         wait_until(
-            lambda: rpc.rpc_sync("w1", rf.shared_slots)["held_by_responses"] == 0,
+            lambda: rpc.rpc_sync("w1", rf.shared_slots)["given_out"] == 0,
             10,
             "the callee to get its result slots back",
         )
@@ -316,6 +316,24 @@ def _slot_checks() -> None:
         lends, made = after["lends"] - before["lends"], after["made"] - before["made"]
         assert lends >= 40, f"only {lends} of 40 results of 1 MB went through the callee's slots"
         assert made <= 8, f"the callee made {made} new slots for 40 results of 1 MB"
+
+    with check("slots/large_argument_kept_without_copy"):
+        # An 8 MB argument becomes the callee's tensor in the caller's slot (no copy): the slot
+        # stays the callee's while it keeps the tensor, later calls never write into it, and it
+        # comes back once the callee drops the tensor.
+        from rpcdist.agent import current_agent
+
+        mine = current_agent().transport.slots
+        n = (8 << 20) // 4
+        first, second = torch.ones(n), torch.full((n,), 2.0)
+        assert rpc.rpc_sync("w1", rf.keep_tensor, ("first", first)) == n - 2.0  # t[0] = -1
+        assert first[0].item() == 1.0, "the callee's write reached the caller's tensor"
+        assert mine.given >= 1, "the kept argument's slot came back while the callee keeps it"
+        for _ in range(3):  # each needs a slot of its own: the first one is taken
+            assert torch.equal(rpc.rpc_sync("w1", rf.echo, (second,)), second)
+        assert rpc.rpc_sync("w1", rf.kept_tensor_sum, ("first",)) == n - 2.0, "a kept tensor changed"
+        rpc.rpc_sync("w1", rf.drop_kept_tensor, ("first",))
+        wait_until(lambda: mine.given == 0, 10, "the caller to get its kept slot back")
 
 
 def data_transport(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:

@@ -155,6 +155,10 @@ def test_large_arguments_and_results_reuse_shared_memory_slots(run: GroupRun) ->
     run.check("slots/reused_by_calls_and_results")
 
 
+def test_large_argument_is_kept_in_its_slot_without_a_copy(run: GroupRun) -> None:
+    run.check("slots/large_argument_kept_without_copy")
+
+
 def test_clean_exit(transport: GroupRun) -> None:
     transport.assert_clean_exit()
 

@@ -11,7 +11,6 @@ the caller does the same. Results (or error descriptions) go back on the same co
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import functools
 import inspect
@@ -29,7 +28,7 @@ from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, RunAsCall, is_asyn
 from rpcdist.agent.threads import EmptyWaiter, settle
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
 from rpcdist.futures import Future
-from rpcdist.transport import Entries, frames, shm
+from rpcdist.transport import Entries, frames
 from rpcdist.transport.writer import FrameWriter
 
 if TYPE_CHECKING:
@@ -53,22 +52,18 @@ class InboundSession:
         self.peer_name = ""  # the caller's name, once its first request has told its rank
         self.traffic: metrics.Traffic | None = None  # its byte counters, while metrics are on
         self.arrivals: dict[int, float] = {}  # call_id -> arrival time, while metrics are on
-        # Shared-memory files of responses, removed when the session ends in case the caller
-        # never adopted them (it unlinks the ones it does).
-        self.exported: collections.deque[str] = collections.deque()
-        # Shared-memory slots holding responses, by name, until the caller says it read them
-        # (SLOTS_READ). Filled by whichever thread answers, emptied on the loop.
-        self.lent: dict[str, shm.Slot] = {}
+        # Tells the caller when we are done with the slots it gave us (large arguments).
+        self._slots_read = frames.SlotsReadNotices(callee.agent.loop, writer)
         callee.sessions.add(self)
 
     def on_frame(self, raw: bytes) -> None:
         """Handle one incoming frame; raises FrameError if it is malformed."""
         max_bytes = self.callee.agent.options.max_payload_bytes
         for env in frames.decode_frame(raw):
-            if env.kind == frames.SLOTS_READ:
-                self._slots_read(env.payload.decode().split("\n"))
+            if env.kind == frames.SLOTS_READ:  # the caller is done with our results' slots
+                self.callee.agent.transport.slots_read(frames.slots_read_names(env))
                 continue
-            message = frames.collect(self.assemblies, env, max_bytes)
+            message = frames.collect(self.assemblies, env, max_bytes, self._slots_read)
             if message is not None:
                 self.callee.on_request(self, *message)
         if self.traffic is not None:
@@ -91,25 +86,10 @@ class InboundSession:
         for job in list(self.running.values()):
             job.cancel()
         self.writer.abort()
-        shm.remove(self.exported)
-        lent, self.lent = list(self.lent.values()), {}
-        self.callee.agent.transport.drop_lent(lent)  # the caller may still be reading them
+        if self.caller_rank >= 0:  # what the caller still holds of ours is never reused
+            self.callee.agent.transport.slots.drop_given(self.caller_rank)
         self.arrivals.clear()
         self.callee.sessions.discard(self)
-
-    def lend(self, slots: list[shm.Slot]) -> None:
-        """A response went out in these slots: keep them until the caller has read them."""
-        for slot in slots:
-            self.lent[slot.name] = slot
-
-    def _slots_read(self, names: list[str]) -> None:
-        read = [slot for slot in map(self.lent.pop, names, [None] * len(names)) if slot is not None]
-        self.callee.agent.transport.finished_reading(self.caller_rank, read)
-
-    def remember_exported(self, names: list[str]) -> None:
-        self.exported.extend(n for n in names if n)
-        if len(self.exported) > 4096:  # prune the ones the caller already adopted
-            self.exported = collections.deque(n for n in self.exported if shm.sees_probe(n))
 
     def respond(self, entries: Entries) -> None:
         self.writer.send(entries)
@@ -530,13 +510,10 @@ class Callee:
         agent = self.agent
         state = agent.extension.capture() if agent.extension is not None else None
         payload, buffers, _ = agent.pickle(result, f"the result of {function}", session.caller_rank, state)
-        # Large buffers go in reusable slots (the caller copies them out and says so, see
-        # SLOTS_READ): a new shared-memory file per response costs its pages on every call
-        # (a 16 MB response took 14 ms that way, 2.5 ms through a slot).
-        lent: list[shm.Slot] = []
-        shared = agent.transport.share(session.caller_rank, buffers, lent)
-        if lent:
-            session.lend(lent)
+        # Large buffers are given in reusable slots (the caller hands them back with SLOTS_READ
+        # once done): a new shared-memory file per response cost its pages on every call (a
+        # 16 MB response took 14 ms that way).
+        shared = agent.transport.share(session.caller_rank, buffers)
         return frames.encode_message(
             call_id, frames.RESPONSE, payload, buffers, chunk_bytes=agent.options.chunk_bytes, shared=shared
         )

@@ -387,29 +387,28 @@ class Caller(LinkHandler):
             self.fail(call_id, error(call))
 
     def _drop_shared(self, call: OutgoingCall) -> None:
-        """The call failed: remove its handed-over files; its lent slots are never reused (the
-        callee may still be reading them)."""
-        shm.remove(n for n in call.shared if not shm.is_slot(n))
+        """The call failed: its lent slots are never reused (the callee may still be reading
+        them). Given ones come back when the callee is done with them, as ever."""
         self._agent.transport.drop_lent(call.lent)
 
     # ------------------------------------------------------------------ LinkHandler
     def on_frame(self, link: Link, raw: bytes) -> None:
         """Replies from the peer of ``link``."""
         agent = self._agent
+        slots_read = link.slots_read
+        if slots_read is None:  # tells the callee when we are done with its results' slots
+            slots_read = link.slots_read = frames.SlotsReadNotices(agent.loop, link.writer)
         for env in frames.decode_frame(raw):
-            message = frames.collect(link.assemblies, env, agent.options.max_payload_bytes)
+            if env.kind == frames.SLOTS_READ:  # the callee is done with our arguments' slots
+                agent.transport.slots_read(frames.slots_read_names(env))
+                continue
+            message = frames.collect(link.assemblies, env, agent.options.max_payload_bytes, slots_read)
             if message is None:
                 continue
             header, buffers = message
-            if header.shared_buffers:
-                read = frames.slot_names(header)  # copied out by now (or never to be read)
-                if read:
-                    link.writer.send(frames.encode_slots_read(read))
             call = self.pending.pop(header.call_id, None)
             if call is None:
                 continue  # timed out or cancelled meanwhile
-            if call.shared:
-                shm.remove(n for n in call.shared if not shm.is_slot(n))  # normally adopted already
             if call.lent:
                 agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read them
             if call.timer is not None:

@@ -104,6 +104,7 @@ class Link(abc.ABC):
         self.last_heard = time.monotonic()  # when the peer last sent anything on this link
         self.lost_reason = ""  # set when the link is given up on (no heartbeat answer)
         self.traffic: Any = None  # the peer's byte counters (rpcdist.metrics.Traffic), metrics on
+        self.slots_read: Any = None  # the handler's SLOTS_READ notices to the peer (frames.py)
 
     def give_up(self, reason: str) -> None:
         """The peer stopped answering: stop reading; the loss is reported with ``reason``."""

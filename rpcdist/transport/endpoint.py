@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -308,6 +308,9 @@ class Transport(LinkHandler):
         self._lost.append(link)
         if link.peer.rank in self.peers:
             self._lost_peers[link.peer.rank] = reason
+            # What it kept of ours never comes back (a live peer that reconnects may still
+            # hold some: dropped, they are never reused, which is safe).
+            self.slots.drop_given(link.peer.rank)
         self._handler.on_lost(link, reason)
 
     # ------------------------------------------------------------------ shared memory
@@ -315,9 +318,11 @@ class Transport(LinkHandler):
         """Hand the large buffers for a co-located peer to shared memory; names per buffer
         ("" = inline), or [] when everything goes inline.
 
-        With ``lent`` (requests, whose reply tells when the callee is done reading) buffers
-        go through reusable slots, which are appended to it; otherwise each is handed over as
-        a new file the receiver keeps.
+        Buffers go through reusable slots. With ``lent`` (requests, whose reply tells when the
+        callee is done reading) a buffer below ``shm.KEEP_MIN_BYTES`` is lent and its slot
+        appended to ``lent``; every other one is given (``+name``): the receiver may keep it
+        as the memory of the tensor it rebuilds and hands it back with ``SLOTS_READ`` once
+        done (see :meth:`slots_read`).
         """
         if not buffers:
             return []
@@ -329,19 +334,24 @@ class Transport(LinkHandler):
             for buffer in buffers:
                 if len(buffer) < threshold:
                     names.append("")
-                elif lent is not None:
+                elif lent is not None and len(buffer) < shm.KEEP_MIN_BYTES:
                     slot = self.slots.lend(rank, buffer.cast("B") if buffer.format != "B" else buffer)
                     lent.append(slot)
                     names.append(slot.name)
                 else:
-                    names.append(shm.export(buffer))
+                    slot = self.slots.give(rank, buffer.cast("B") if buffer.format != "B" else buffer)
+                    names.append(shm.GIVEN + slot.name)
         except OSError as exc:  # /dev/shm full or gone: send inline
             log.warning("shared-memory handoff failed (%s); sending inline", exc)
-            shm.remove(n for n in names if not shm.is_slot(n))
+            self.slots.returned(n[len(shm.GIVEN) :] for n in names if shm.is_given(n))
             if lent:
                 self.drop_lent(lent)
             return []
         return names
+
+    def slots_read(self, names: Iterable[str]) -> None:
+        """A peer's ``SLOTS_READ``: it is done with these slots we gave it."""
+        self.slots.returned(names)
 
     def finished_reading(self, rank: int, lent: list[shm.Slot]) -> None:
         """The peer has read the slots ``lent`` to it: they may be lent again."""

@@ -12,8 +12,10 @@ envelopes; :class:`Assembly` puts the buffers back together on the receiving sid
 
 from __future__ import annotations
 
+import asyncio
 import struct
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,7 +287,12 @@ class Assembly:
 
     __slots__ = ("header", "buffers", "_views", "_index", "_offset", "remaining", "error")
 
-    def __init__(self, header: Envelope, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        header: Envelope,
+        max_bytes: int | None = None,
+        release_slot: Callable[[str], None] | None = None,
+    ) -> None:
         self.header = header
         self.buffers: list[memoryview] = []
         self._views: list[memoryview] = []
@@ -299,7 +306,7 @@ class Assembly:
             self.error = PayloadTooLargeError(
                 f"message of {total} bytes is above this worker's max_payload_bytes={max_bytes}"
             )
-            shm.remove(shared)
+            _release_given(shared, release_slot)
             self._index = 0
             self._offset = 0
             self.remaining = sum(n for n, name in zip(header.buffer_sizes, shared, strict=True) if not name)
@@ -312,13 +319,20 @@ class Assembly:
         for size, name in zip(header.buffer_sizes, shared, strict=True):
             if name:
                 try:
-                    if shm.is_slot(name):  # lent: copy out, the sender reuses the slot
-                        self.buffers.append(shm.borrowings.copy(name, size))
-                    else:  # handed over: the mapping becomes ours
-                        self.buffers.append(shm.adopt(name, size))
+                    if shm.is_given(name) and release_slot is not None:
+                        slot = name[len(shm.GIVEN) :]
+                        if size >= shm.KEEP_MIN_BYTES:  # ours until the tensor is freed: no copy
+                            self.buffers.append(shm.borrowings.keep(slot, size, release_slot))
+                        else:
+                            self.buffers.append(shm.borrowings.copy(slot, size))
+                            release_slot(slot)
+                    else:  # lent: copy out, the sender reuses the slot after the reply
+                        self.buffers.append(shm.borrowings.copy(name.removeprefix(shm.GIVEN), size))
                 except (OSError, ValueError) as exc:
                     self.error = exc
                     self.buffers.append(memoryview(bytearray()))
+                    if shm.is_given(name) and release_slot is not None:
+                        release_slot(name[len(shm.GIVEN) :])
             elif in_place is not None:
                 self.buffers.append(in_place.pop(0))
             else:
@@ -355,18 +369,51 @@ class Assembly:
         return self.remaining == 0
 
 
-def encode_slots_read(names: Sequence[str]) -> Iterator[list[bytes | memoryview]]:
-    """The entries telling a callee that the slots ``names`` of its responses were read."""
-    return encode_message(0, SLOTS_READ, "\n".join(names).encode(), [])
+def _release_given(shared: Sequence[str], release_slot: Callable[[str], None] | None) -> None:
+    if release_slot is not None:
+        for name in shared:
+            if shm.is_given(name):
+                release_slot(name[len(shm.GIVEN) :])
 
 
-def slot_names(header: Any) -> list[str]:
-    """The shared-memory slots a message's buffers were lent in (to be given back once read)."""
-    return [name for name in header.shared_buffers if shm.is_slot(name)]
+def slots_read_names(env: Any) -> list[str]:
+    """The slot names a ``SLOTS_READ`` envelope carries."""
+    return [name for name in env.payload.decode().split("\n") if name]
+
+
+class SlotsReadNotices:
+    """Tells the peer at the other end of ``writer`` which of the slots it gave us we are done
+    with: callable from any thread (a kept tensor is freed wherever its last reference goes);
+    the names of one loop turn go out in one ``SLOTS_READ`` envelope."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, writer: Any) -> None:
+        self._loop = loop
+        self._writer = writer
+        self._names: list[str] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> None:
+        with self._lock:
+            self._names.append(name)
+            first = len(self._names) == 1
+        if first:
+            try:
+                self._loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the loop is closed: the peer is gone or going
+                pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            names, self._names = self._names, []
+        if names:
+            self._writer.send(encode_message(0, SLOTS_READ, "\n".join(names).encode(), []))
 
 
 def collect(
-    assemblies: dict[int, Assembly], env: Any, max_bytes: int
+    assemblies: dict[int, Assembly],
+    env: Any,
+    max_bytes: int,
+    release_slot: Callable[[str], None] | None = None,
 ) -> tuple[Any, list[memoryview] | Exception] | None:
     """Feed one envelope; returns ``(header, buffers)`` once its message is complete.
 
@@ -385,7 +432,7 @@ def collect(
     elif not env.buffer_sizes:
         return env, []
     else:
-        assembly = Assembly(env, max_bytes)
+        assembly = Assembly(env, max_bytes, release_slot)
         if not assembly.complete:
             assemblies[env.call_id] = assembly
             return None

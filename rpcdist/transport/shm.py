@@ -1,13 +1,14 @@
 """Shared-memory handoff of large buffers between workers on one host.
 
-The sender writes a buffer into a new file under ``/dev/shm`` (one copy, done by the kernel)
-and sends only its name; the receiver maps the file as the memory of the rebuilt tensor
-(no copy) and unlinks it at once, so the memory lives exactly as long as that tensor.
-
-For buffers that go back and forth (collectives, repeated calls) a sender can instead *lend*
-them through reusable slots (:class:`SlotPool`): it copies into a warm mapping it keeps, the
-receiver maps the slot once (:class:`Borrowings`) and copies out or reduces from it, and the
-slot is reused once the receiver is done: no page allocation per message on either side.
+A sender copies a large buffer into one of its reusable *slots* (a warm mapping under
+``/dev/shm`` it keeps, :class:`SlotPool`) and sends only the slot's name; the receiver maps
+the slot once (:class:`Borrowings`). A *lent* slot (call arguments below ``KEEP_MIN_BYTES``,
+collectives) is copied out or reduced from by the receiver and reused once the sender hears
+that it is done (the call's reply, the collective's acknowledgment). A *given* slot (larger
+arguments, every result) may be kept by the receiver as the memory of the tensor it rebuilds,
+without a copy; the receiver names it in a ``SLOTS_READ`` notice once that tensor is freed.
+Each copy is one ``memcpy`` with the GIL released. No page is allocated per message on
+either side once the slots are warm.
 
 Whether two workers share ``/dev/shm`` is tested, not guessed: each worker leaves a probe
 file there and publishes its name; a peer is co-located when it can see that file (two
@@ -25,9 +26,10 @@ import os
 import secrets
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -59,48 +61,8 @@ def sees_probe(name: str) -> bool:
     return bool(name) and os.path.exists(os.path.join(SHM_DIR, name))
 
 
-def export(buffer: memoryview) -> str:
-    """Copy ``buffer`` into a new shared-memory file; returns its name."""
-    name = f"{_PREFIX}{os.getpid()}-{_session}-{next(_names)}"
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        view = buffer.cast("B") if buffer.format != "B" else buffer
-        written = 0
-        while written < len(view):
-            written += os.pwrite(fd, view[written:], written)
-    except BaseException:
-        os.close(fd)
-        remove([name])
-        raise
-    os.close(fd)
-    return name
-
-
-def adopt(name: str, size: int) -> memoryview:
-    """Map the shared-memory file ``name`` as writable memory and unlink it.
-
-    The returned view keeps the mapping alive; it is freed with the last object using it.
-    """
-    if "/" in name or not name.startswith(_PREFIX):
-        raise ValueError(f"not an rpcdist shared-memory name: {name!r}")
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        if os.fstat(fd).st_size != size:
-            raise ValueError(f"shared buffer {name} holds {os.fstat(fd).st_size} bytes, expected {size}")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    return memoryview(mapping)
-
-
 def remove(names: Iterable[str]) -> None:
-    """Delete shared-memory files a receiver never adopted (it unlinks the ones it did)."""
+    """Delete shared-memory files (slots nobody will map any more)."""
     for name in names:
         if name:
             try:
@@ -142,12 +104,20 @@ def copy_bytes(dest: torch.Tensor, source: torch.Tensor, nbytes: int) -> None:
 
 
 _SLOT_PREFIX = f"{_PREFIX}slot-"
+GIVEN = "+"  # marks a given slot's name in a message: the receiver names it back once done
+_GIVEN_SLOT_PREFIX = GIVEN + _SLOT_PREFIX
+KEEP_MIN_BYTES = 4 << 20  # a given slot this large becomes the received tensor's memory
 # glibc's largest dynamic mmap threshold on 64-bit: an allocation this size never reuses memory.
 _FRESH_MEMORY_BYTES = 32 << 20
 
 
-def is_slot(name: str) -> bool:
-    return name.startswith(_SLOT_PREFIX)
+def is_slot(entry: str) -> bool:
+    """Whether a message's shared-buffer entry names a slot (lent or given)."""
+    return entry.startswith(_SLOT_PREFIX) or entry.startswith(_GIVEN_SLOT_PREFIX)
+
+
+def is_given(entry: str) -> bool:
+    return entry.startswith(_GIVEN_SLOT_PREFIX)
 
 
 def _mapping(path: str, size: int, create: bool) -> mmap.mmap:
@@ -171,13 +141,49 @@ class Slot:
 
 
 class SlotPool:
-    """A sender's slots, per receiving peer. Thread-safe."""
+    """A sender's slots, per receiving peer. Thread-safe.
+
+    A slot is *lent* (:meth:`lend`: the sender learns by other means when the receiver is
+    done, as a call's reply, and calls :meth:`give_back`) or *given* (:meth:`give`: the
+    receiver may keep it as the memory of the tensor it rebuilt, and names it in a
+    ``SLOTS_READ`` notice once done, see :meth:`returned`).
+    """
 
     def __init__(self) -> None:
         self._free: dict[int, list[Slot]] = {}
         self._names: set[str] = set()
+        self._given: dict[str, tuple[int, Slot]] = {}
         self._lock = threading.Lock()
         self.lends = 0  # how many buffers went out through the slots
+
+    @property
+    def given(self) -> int:
+        """How many given slots their receivers have not handed back yet."""
+        return len(self._given)
+
+    def give(self, peer: int, data: memoryview | torch.Tensor) -> Slot:
+        """As :meth:`lend`, for a slot that comes back through :meth:`returned`."""
+        slot = self.lend(peer, data)
+        with self._lock:
+            self._given[slot.name] = (peer, slot)
+        return slot
+
+    def returned(self, names: Iterable[str]) -> None:
+        """The receivers are done with these given slots: they may be lent again."""
+        with self._lock:
+            for name in names:
+                entry = self._given.pop(name, None)
+                if entry is not None:
+                    self._free.setdefault(entry[0], []).append(entry[1])
+
+    def drop_given(self, peer: int) -> None:
+        """``peer`` is gone: the slots it held are never coming back."""
+        with self._lock:
+            gone = [name for name, (to, _) in self._given.items() if to == peer]
+            for name in gone:
+                del self._given[name]
+                self._names.discard(name)
+        remove(gone)
 
     @property
     def made(self) -> int:
@@ -222,6 +228,28 @@ class SlotPool:
         remove(names)
 
 
+class _KeptSlot:
+    """The owner of a received tensor's memory that lives in a peer's given slot: when the
+    last tensor (or view) using it is freed, the slot goes back to its sender."""
+
+    def __init__(self, memory: torch.Tensor, name: str, release: Callable[[str], None]) -> None:
+        self._memory = memory  # keeps the mapping alive
+        self._name = name
+        self._release = release
+        self.__array_interface__ = {
+            "data": (memory.data_ptr(), False),
+            "shape": (memory.numel(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        try:
+            self._release(self._name)
+        except Exception:  # noqa: BLE001 - at interpreter exit nobody is listening any more
+            pass
+
+
 class Borrowings:
     """A receiver's mappings of its peers' slots, by name (mapped once, file unlinked then:
     both sides hold mappings, so nothing is left behind if either dies)."""
@@ -235,7 +263,7 @@ class Borrowings:
         with self._lock:
             memory = self._mapped.get(name)
         if memory is None:
-            if "/" in name or not is_slot(name):
+            if "/" in name or not name.startswith(_SLOT_PREFIX):
                 raise ValueError(f"not an rpcdist slot: {name!r}")
             capacity = int(name.rsplit("-", 1)[1])
             memory = torch.frombuffer(
@@ -247,6 +275,13 @@ class Borrowings:
         if nbytes > memory.numel():
             raise ValueError(f"slot {name} holds {memory.numel()} bytes, {nbytes} announced")
         return memory[:nbytes]
+
+    def keep(self, name: str, nbytes: int, release: Callable[[str], None]) -> memoryview:
+        """The first ``nbytes`` of given slot ``name`` as memory of a received buffer (no
+        copy); ``release(name)`` runs once nothing uses it any more (from whichever thread
+        drops the last reference)."""
+        owner = _KeptSlot(self.view(name, nbytes), name, release)
+        return memoryview(np.asarray(owner))
 
     def copy(self, name: str, nbytes: int) -> memoryview:
         """A private, writable copy of the first ``nbytes`` of slot ``name``."""
