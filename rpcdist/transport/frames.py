@@ -390,7 +390,8 @@ class SlotsReadNotices:
         self._loop = loop
         self._writer = writer
         self._names: list[str] = []
-        self._lock = threading.Lock()
+        # Reentrant: a kept tensor freed by the garbage collector while this thread holds it.
+        self._lock = threading.RLock()
 
     def __call__(self, name: str) -> None:
         with self._lock:
