@@ -59,3 +59,40 @@ def test_copy_bytes_refuses_a_copy_that_does_not_fit() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         shm.copy_bytes(source, dest, 9)
     assert dest.tolist() == list(range(8))  # nothing written by a refused copy
+
+
+def test_a_given_slot_comes_back_only_from_its_holder(pool: shm.SlotPool) -> None:
+    slot = pool.give(1, torch.full((100,), 3, dtype=torch.uint8))
+    assert pool.given == 1
+    pool.returned(2, [slot.name])  # another peer cannot hand it back
+    assert pool.given == 1
+    assert pool.lend(1, torch.zeros(10, dtype=torch.uint8)).name != slot.name  # still out
+    pool.returned(1, [slot.name, "rpcdist-slot-unknown-1048576"])
+    assert pool.given == 0
+    assert pool.lend(1, torch.zeros(10, dtype=torch.uint8)).name == slot.name
+
+
+def test_slots_given_to_a_lost_peer_are_never_reused(pool: shm.SlotPool) -> None:
+    slot = pool.give(5, torch.zeros(10, dtype=torch.uint8))
+    made = pool.made
+    pool.drop_given(5)
+    assert pool.given == 0 and pool.made == made - 1
+    pool.returned(5, [slot.name])  # a late notice changes nothing
+    assert pool.lend(5, torch.zeros(10, dtype=torch.uint8)).name != slot.name
+
+
+def test_a_kept_slot_goes_back_when_the_last_tensor_using_it_is_freed(pool: shm.SlotPool) -> None:
+    nbytes = 4 << 20
+    data = torch.arange(nbytes // 4, dtype=torch.int32)
+    slot = pool.give(1, data.view(torch.uint8))
+    released: list[str] = []
+    kept = torch.frombuffer(shm.borrowings.keep(slot.name, nbytes, released.append), dtype=torch.int32)
+    assert torch.equal(kept, data)
+    slot.memory[:4].fill_(0xFF)  # the sender's bytes themselves, not a copy of them
+    assert kept[0].item() == -1
+    view = kept[10:20]
+    del kept
+    assert released == []  # a view still uses the memory
+    assert view.tolist() == list(range(10, 20))
+    del view
+    assert released == [slot.name]

@@ -61,7 +61,7 @@ class InboundSession:
         max_bytes = self.callee.agent.options.max_payload_bytes
         for env in frames.decode_frame(raw):
             if env.kind == frames.SLOTS_READ:  # the caller is done with our results' slots
-                self.callee.agent.transport.slots_read(frames.slots_read_names(env))
+                self.callee.agent.transport.slots_read(self.caller_rank, frames.slots_read_names(env))
                 continue
             message = frames.collect(self.assemblies, env, max_bytes, self._slots_read)
             if message is not None:

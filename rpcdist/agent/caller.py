@@ -400,7 +400,7 @@ class Caller(LinkHandler):
             slots_read = link.slots_read = frames.SlotsReadNotices(agent.loop, link.writer)
         for env in frames.decode_frame(raw):
             if env.kind == frames.SLOTS_READ:  # the callee is done with our arguments' slots
-                agent.transport.slots_read(frames.slots_read_names(env))
+                agent.transport.slots_read(link.peer.rank, frames.slots_read_names(env))
                 continue
             message = frames.collect(link.assemblies, env, agent.options.max_payload_bytes, slots_read)
             if message is None:

@@ -343,15 +343,15 @@ class Transport(LinkHandler):
                     names.append(shm.GIVEN + slot.name)
         except OSError as exc:  # /dev/shm full or gone: send inline
             log.warning("shared-memory handoff failed (%s); sending inline", exc)
-            self.slots.returned(n[len(shm.GIVEN) :] for n in names if shm.is_given(n))
+            self.slots.returned(rank, (n[len(shm.GIVEN) :] for n in names if shm.is_given(n)))
             if lent:
                 self.drop_lent(lent)
             return []
         return names
 
-    def slots_read(self, names: Iterable[str]) -> None:
-        """A peer's ``SLOTS_READ``: it is done with these slots we gave it."""
-        self.slots.returned(names)
+    def slots_read(self, rank: int, names: Iterable[str]) -> None:
+        """Peer ``rank``'s ``SLOTS_READ``: it is done with these slots we gave it."""
+        self.slots.returned(rank, names)
 
     def finished_reading(self, rank: int, lent: list[shm.Slot]) -> None:
         """The peer has read the slots ``lent`` to it: they may be lent again."""

@@ -168,13 +168,15 @@ class SlotPool:
             self._given[slot.name] = (peer, slot)
         return slot
 
-    def returned(self, names: Iterable[str]) -> None:
-        """The receivers are done with these given slots: they may be lent again."""
+    def returned(self, peer: int, names: Iterable[str]) -> None:
+        """``peer`` is done with these slots we gave it: they may be lent again. (Names of
+        slots given to anyone else are ignored: only their holder can hand them back.)"""
         with self._lock:
             for name in names:
-                entry = self._given.pop(name, None)
-                if entry is not None:
-                    self._free.setdefault(entry[0], []).append(entry[1])
+                entry = self._given.get(name)
+                if entry is not None and entry[0] == peer:
+                    del self._given[name]
+                    self._free.setdefault(peer, []).append(entry[1])
 
     def drop_given(self, peer: int) -> None:
         """``peer`` is gone: the slots it held are never coming back."""
