@@ -308,8 +308,8 @@ class Transport(LinkHandler):
         self._lost.append(link)
         if link.peer.rank in self.peers:
             self._lost_peers[link.peer.rank] = reason
-            # What it kept of ours never comes back (a live peer that reconnects may still
-            # hold some: dropped, they are never reused, which is safe).
+            # What it kept of ours may never come back (a live peer that reconnects may still
+            # hold some: dropped, they are never lent again, which is safe).
             self.slots.drop_given(link.peer.rank)
         self._handler.on_lost(link, reason)
 

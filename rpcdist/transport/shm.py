@@ -179,13 +179,12 @@ class SlotPool:
                     self._free.setdefault(peer, []).append(entry[1])
 
     def drop_given(self, peer: int) -> None:
-        """``peer`` is gone: the slots it held are never coming back."""
+        """``peer`` may never hand back the slots it holds (its connection ended): they are
+        never lent again. Their files stay until :meth:`close` (a message still on its way
+        may name one the peer has not mapped yet)."""
         with self._lock:
-            gone = [name for name, (to, _) in self._given.items() if to == peer]
-            for name in gone:
+            for name in [name for name, (to, _) in self._given.items() if to == peer]:
                 del self._given[name]
-                self._names.discard(name)
-        remove(gone)
 
     @property
     def made(self) -> int:
@@ -227,6 +226,7 @@ class SlotPool:
         with self._lock:
             names, self._names = list(self._names), set()
             self._free.clear()
+            self._given.clear()
         remove(names)
 
 
