@@ -67,7 +67,8 @@ class RpcBackendOptions:
         max_payload_bytes: largest message (pickle plus tensor bytes) sent or accepted.
         chunk_bytes: size of the pieces large payloads are streamed in.
         shm_threshold_bytes: buffers at least this large go to peers on the same host through
-            shared memory (/dev/shm) instead of the stream; 0 turns that off.
+            shared memory (/dev/shm) instead of the stream; 0 turns that off. From 4 MiB the
+            receiver's tensor lives in the sender's shared memory (no copy) until it is freed.
         transport: ``"auto"`` (gRPC between hosts, a Unix socket between workers of one host),
             ``"grpc"`` (gRPC streams for every peer) or ``"tcp"`` (rpcdist's framing straight on
             TCP between hosts, a Unix socket on one host: faster than gRPC, but TCP (TLS with
