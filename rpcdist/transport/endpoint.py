@@ -343,7 +343,7 @@ class Transport(LinkHandler):
                     names.append(shm.GIVEN + slot.name)
         except OSError as exc:  # /dev/shm full or gone: send inline
             log.warning("shared-memory handoff failed (%s); sending inline", exc)
-            self.slots.returned(rank, (n[len(shm.GIVEN) :] for n in names if shm.is_given(n)))
+            self.slots.returned(rank, (n.removeprefix(shm.GIVEN) for n in names if shm.is_given(n)))
             if lent:
                 self.drop_lent(lent)
             return []

@@ -318,21 +318,21 @@ class Assembly:
         in_place = _in_place(header.data, inline_sizes)
         for size, name in zip(header.buffer_sizes, shared, strict=True):
             if name:
+                slot = name.removeprefix(shm.GIVEN)
+                # A given slot goes back through ``release_slot``; a lent one with the reply.
+                release = release_slot if shm.is_given(name) else None
                 try:
-                    if shm.is_given(name) and release_slot is not None:
-                        slot = name[len(shm.GIVEN) :]
-                        if size >= shm.KEEP_MIN_BYTES:  # ours until the tensor is freed: no copy
-                            self.buffers.append(shm.borrowings.keep(slot, size, release_slot))
-                        else:
-                            self.buffers.append(shm.borrowings.copy(slot, size))
-                            release_slot(slot)
-                    else:  # lent: copy out, the sender reuses the slot after the reply
-                        self.buffers.append(shm.borrowings.copy(name.removeprefix(shm.GIVEN), size))
+                    if release is not None and size >= shm.KEEP_MIN_BYTES:  # ours until freed: no copy
+                        self.buffers.append(shm.borrowings.keep(slot, size, release))
+                    else:
+                        self.buffers.append(shm.borrowings.copy(slot, size))
+                        if release is not None:
+                            release(slot)
                 except (OSError, ValueError) as exc:
                     self.error = exc
                     self.buffers.append(memoryview(bytearray()))
-                    if shm.is_given(name) and release_slot is not None:
-                        release_slot(name[len(shm.GIVEN) :])
+                    if release is not None:
+                        release(slot)
             elif in_place is not None:
                 self.buffers.append(in_place.pop(0))
             else:
@@ -373,7 +373,7 @@ def _release_given(shared: Sequence[str], release_slot: Callable[[str], None] | 
     if release_slot is not None:
         for name in shared:
             if shm.is_given(name):
-                release_slot(name[len(shm.GIVEN) :])
+                release_slot(name.removeprefix(shm.GIVEN))
 
 
 def slots_read_names(env: Any) -> list[str]:
