@@ -31,6 +31,7 @@ from rpc_scenarios import options, wait_until
 
 import rpcdist.autograd as dist_autograd
 import rpcdist.rpc as rpc
+from rpcdist.agent import current_agent
 from rpcdist.errors import WorkerUnavailableError
 from rpcdist.optim import DistributedOptimizer
 
@@ -103,6 +104,7 @@ def elastic(  # noqa: C901 - one scenario, every role
         rf.wait_released(SERVE_TIMEOUT)  # trainer1 says when it is done
         with _events_lock:
             report["events"] = list(_events)
+        report["peer_death_checks"] = current_agent().status()["counts"]["peer_death_checks"]
         report["members_at_end"] = sorted(_names())
     elif role == "trainer1":
         rpc.init_rpc("trainer1", world_size=None, rpc_backend_options=opts)

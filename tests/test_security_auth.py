@@ -46,6 +46,7 @@ from rpcdist.transport import frames
 from rpcdist.v1 import store_pb2, store_pb2_grpc
 
 EXCHANGE = "/rpcdist.v1.Agent/Exchange"
+REFUSAL_WAIT = 3.0  # seconds a refused stream takes at most to end, before anything is sent
 
 
 def _call_frame(marker: Path) -> bytes:
@@ -61,13 +62,20 @@ async def _exchange(address: str, frame: bytes, metadata: tuple[tuple[str, str],
         call = channel.stream_stream(EXCHANGE, request_serializer=None, response_deserializer=None)(
             metadata=metadata
         )
+        # A refusal comes before any message is read: take it before writing, since grpc's
+        # aio client reports a write that races the server's early status as INTERNAL
+        # instead of that status (grpc/grpc#36066).
+        status = asyncio.ensure_future(call.code())
+        done, _ = await asyncio.wait([status], timeout=REFUSAL_WAIT)
+        if done:
+            return status.result().name
         with contextlib.suppress(grpc.aio.AioRpcError):
             await call.write(frame)
             await call.done_writing()
         with contextlib.suppress(grpc.aio.AioRpcError):
             while await call.read() is not grpc.aio.EOF:
                 pass
-        return (await asyncio.wait_for(call.code(), 30)).name
+        return (await asyncio.wait_for(status, 30)).name
 
 
 def _socket_exchange(path: str, hello: bytes, frame: bytes) -> bytes:

@@ -285,6 +285,14 @@ def test_compare_set_semantics(backend: Backend, uniq: str) -> None:
     # absent key, non-empty expected: nothing set, expected returned (torch's behaviour)
     assert store.compare_set(uniq + "absent", b"exp", b"des") == b"exp"
     assert not store.check([uniq + "absent"])
+    # an empty value matches an empty expected, as a missing key does (torch's stores agree):
+    # elastic membership frees a dead member's name that way, in one step
+    store.set(uniq + "freed", b"")
+    assert store.compare_set(uniq + "freed", b"", b"taken") == b"taken"
+    assert store.get(uniq + "freed") == b"taken"
+    assert store.compare_set(uniq + "freed", b"", b"again") == b"taken"
+    assert store.compare_set(uniq + "freed", b"taken", b"") == b""
+    assert store.check([uniq + "freed"]) and store.get(uniq + "freed") == b""
 
 
 def test_check_delete_num_keys(backend: Backend, uniq: str) -> None:

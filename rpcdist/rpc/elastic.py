@@ -8,14 +8,16 @@ The group lives in the rendezvous store (under the RPC prefix):
 
 - ``world_size`` is ``dynamic`` (a fixed-size group refuses dynamic workers and vice versa);
 - ``rank/<r>`` and ``name/<n>`` claim a rank and a name (``compare_set``, so two workers never
-  get the same one); ranks not given are drawn from the ``next_rank`` counter;
+  get the same one; a missing key or an empty value is free: a leaver deletes its keys, the
+  survivors of a dead member empty them); ranks not given are drawn from the ``next_rank``
+  counter;
 - ``roster`` is the JSON map of the members present, rank -> {name, card}, changed only by
   compare-and-swap.
 
 A joiner claims its rank and name, starts serving, adds itself to the roster and then tells
 every member it found there (``_member_joined``): ``init_rpc`` returns once they all know it,
-so whoever it calls can call it back. A leaver waits for its own calls, takes itself off the
-roster, tells every member left (``_member_left``) and frees its name. Each member keeps its
+so whoever it calls can call it back. A leaver waits for its own calls, frees its name, takes
+itself off the roster and tells every member left (``_member_left``). Each member keeps its
 agent's view up to date from these messages and hands them to the program's listeners
 (:func:`on_membership_change`, :func:`membership_change`).
 
@@ -127,7 +129,9 @@ async def enter(agent: Agent, store: Store, card: dict[str, str], timeout: float
     others = [_member(r, e) for r, e in before.items() if int(r) != me.id]
     members = [*others, Member(me.name, me.id, card)]
     agent.set_members(members)
-    agent.on_peer_lost(lambda peer, _reason: agent.loop.create_task(_prune_if_dead(agent, store, peer)))
+    death_watch = _DeathWatch(agent, store)
+    agent.on_peer_lost(death_watch)
+    agent.status_sources.append(death_watch.counts)
     news = (me.name, me.id, card)
     told = [
         agent.submit(m.rank, _member_joined, news, None, timeout, function_name="rpcdist.joined")
@@ -144,9 +148,19 @@ async def enter(agent: Agent, store: Store, card: dict[str, str], timeout: float
 
 # ============================================================================ leaving
 async def leave(agent: Agent, store: Store, timeout: float | None) -> None:
-    """Take this worker off the roster, tell the members left and free its name. The store's
-    host (rank 0 with an embedded store) then serves it on until the others have left too."""
+    """Free this worker's name and rank, take it off the roster and tell the members left. The
+    store's host (rank 0 with an embedded store) then serves it on until the others have left."""
     me = agent.info
+    # Free the name and rank first: the store's host stops serving once the roster is empty,
+    # and a leaver that freed them after taking itself off could find the store gone (and
+    # wait out the store's timeout). A successor may claim the name while this worker is
+    # still listed: members then hear of the new rank before this one leaves, and forgetting
+    # this rank keeps the name's new owner (Agent.remove_member).
+    for key in (f"name/{me.name}", f"rank/{me.id}"):
+        try:
+            await store.delete_key_async(key)
+        except StoreError as exc:
+            log.debug("%s: could not free %s: %s", me.name, key, exc)
     _, after = await _change_roster(store, lambda roster: _without(roster, {str(me.id)}))
     remaining = [int(r) for r in after]
     told = [
@@ -159,11 +173,6 @@ async def leave(agent: Agent, store: Store, timeout: float | None) -> None:
             await future
         except Exception as exc:  # noqa: BLE001 - a member that is gone need not hear it
             log.debug("%s: a member did not hear of this leave: %s", me.name, exc)
-    for key in (f"name/{me.name}", f"rank/{me.id}"):
-        try:
-            await store.delete_key_async(key)
-        except StoreError as exc:
-            log.debug("%s: could not free %s: %s", me.name, key, exc)
     if agent.rendezvous.server is not None and remaining:
         await _serve_store_until_empty(agent, store, timeout)
 
@@ -194,6 +203,31 @@ def _without(roster: dict[str, Any], ranks: set[str]) -> dict[str, Any]:
     return {r: e for r, e in roster.items() if r not in ranks}
 
 
+class _DeathWatch:
+    """The peer-lost listener of a dynamic group's member: one check (``_prune_if_dead``) at
+    a time per peer. The check's own probe of a dead peer loses a link again; starting another
+    check for that would chain checks, each with its store calls, for as long as the peer is
+    listed — hundreds per survivor, enough for the store's server to shed calls."""
+
+    def __init__(self, agent: Agent, store: Store) -> None:
+        self._agent = agent
+        self._store = store
+        self._checking: set[WorkerInfo] = set()
+        self._started = 0
+
+    def counts(self) -> dict[str, int]:
+        """For ``Agent.status()``: ``peer_death_checks``, how many lost links were checked."""
+        return {"peer_death_checks": self._started}
+
+    def __call__(self, peer: WorkerInfo, _reason: str) -> None:
+        if peer in self._checking:
+            return
+        self._checking.add(peer)
+        self._started += 1
+        task = self._agent.loop.create_task(_prune_if_dead(self._agent, self._store, peer))
+        task.add_done_callback(lambda _: self._checking.discard(peer))
+
+
 async def _prune_if_dead(agent: Agent, store: Store, peer: WorkerInfo) -> None:
     """The link to ``peer`` was lost: if it no longer answers (it died; it did not leave, or
     it would have said so), take it off the roster, free its name and rank for a successor,
@@ -205,8 +239,11 @@ async def _prune_if_dead(agent: Agent, store: Store, peer: WorkerInfo) -> None:
             return
         await _change_roster(store, lambda roster: _without(roster, {str(peer.id)}))
         for key, held in ((f"name/{peer.name}", str(peer.id)), (f"rank/{peer.id}", peer.name)):
-            if await store.check_async([key]) and await store.get_async(key) == held.encode():
-                await store.delete_key_async(key)
+            # Free it only if the dead member still holds it, in one step: other survivors
+            # free it too, and a successor may claim it between a read and a delete (a Get
+            # of a key freed meanwhile would also wait for it). An empty value is free: a
+            # claim's compare_set(key, "", name) takes it as it takes a missing key.
+            await store.compare_set_async(key, held, b"")
     except Exception as exc:  # noqa: BLE001 - the store host may be gone too; still announce it
         log.debug("%s: could not take dead %s off the roster: %s", agent.info.name, peer.name, exc)
     if peer.id in agent.workers_by_rank and not agent.closing:
@@ -317,4 +354,3 @@ def reset() -> None:
     _waiters.clear()
     _listeners.clear()
     _queues.clear()
-

@@ -528,25 +528,33 @@ class EtcdStore(Store):
 
     async def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         name = self._key(key)
-        if expected:
-            condition = pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.VALUE, key=name, value=expected)
-        else:
-            condition = _absent(name)
+        value_is = pb.Compare(result=pb.Compare.EQUAL, target=pb.Compare.VALUE, key=name, value=expected)
+        # An empty ``expected`` matches a missing key or an empty value, as in torch's stores:
+        # one transaction cannot say "either", so try the case the last answer showed.
+        condition = value_is if expected else _absent(name)
+        while True:
 
-        def transaction(lease: int) -> pb.TxnRequest:
-            return pb.TxnRequest(
-                compare=[condition],
-                success=[_put(name, desired, lease)],
-                failure=[pb.RequestOp(request_range=pb.RangeRequest(key=name))],
+            def transaction(lease: int, condition: pb.Compare = condition) -> pb.TxnRequest:
+                return pb.TxnRequest(
+                    compare=[condition],
+                    success=[_put(name, desired, lease)],
+                    failure=[pb.RequestOp(request_range=pb.RangeRequest(key=name))],
+                )
+
+            resp = await self._with_lease(
+                "CompareSet", [key], lambda m, t, lease, make=transaction: m.kv.Txn(make(lease), timeout=t)
             )
-
-        resp = await self._with_lease(
-            "CompareSet", [key], lambda m, t, lease: m.kv.Txn(transaction(lease), timeout=t)
-        )
-        if resp.succeeded:
-            return desired
-        held = resp.responses[0].response_range.kvs
-        return bytes(held[0].value) if held else expected
+            if resp.succeeded:
+                return desired
+            held = resp.responses[0].response_range.kvs
+            if not held:
+                if expected:
+                    return expected  # torch: a missing key with a non-empty expected
+                condition = _absent(name)  # deleted since the last try
+            elif expected or held[0].value:
+                return bytes(held[0].value)
+            else:
+                condition = value_is  # it holds the empty value
 
     async def _wait(self, keys: list[str], timeout: float) -> None:
         await self._wait_names(keys, timeout)
