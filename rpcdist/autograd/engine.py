@@ -58,9 +58,12 @@ LeafGradient = tuple[torch.Tensor, torch.Tensor, bool]
 
 
 def _local_gradients(
-    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    leaves: list[torch.Tensor] | None = None,
 ) -> list[LeafGradient]:
-    leaves = _leaves(outputs)
+    if leaves is None:
+        leaves = _leaves(outputs)
     if not leaves:
         return []
     grads = torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True)
@@ -73,7 +76,9 @@ def _buffer(grad: torch.Tensor) -> int:
 
 
 def _root_gradients(
-    outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor]
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    leaves: list[torch.Tensor] | None = None,
 ) -> list[LeafGradient]:
     """:func:`_local_gradients` for the worker that called ``backward``, through torch's full
     engine so that gradient-accumulation hooks run as in a local backward: a
@@ -87,7 +92,8 @@ def _root_gradients(
     sparse with contiguous parts, and referenced by nothing else), and no other leaf received
     that buffer too (torch's distributed engine holds every leaf's gradient until all are
     accumulated, so a buffer given to two leaves is copied for both)."""
-    leaves = _leaves(outputs)
+    if leaves is None:
+        leaves = _leaves(outputs)
     if not leaves:
         return []
     arrived: list[int | None] = [None] * len(leaves)
@@ -120,6 +126,23 @@ def _root_gradients(
     return out
 
 
+def _gradients_at_root(
+    context: _contexts.DistAutogradContext,
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+) -> list[LeafGradient]:
+    """The local gradients of the worker that called ``backward``: :func:`_root_gradients`,
+    unless every leaf was received from a peer (a trainer whose loss depends on its own
+    parameters only through a parameter server, the last stage's caller of a pipeline). Their
+    gradients go back to their senders, and no accumulation hook of this worker can be on
+    them (DDP's are on its parameters), so the plain :func:`_local_gradients` serves, without
+    the hooks and the ``.grad`` juggling."""
+    leaves = _leaves(outputs)
+    if all(context.recv_of(leaf) is not None for leaf in leaves):
+        return _local_gradients(outputs, grad_outputs, leaves)
+    return _root_gradients(outputs, grad_outputs, leaves)
+
+
 async def local_pass(
     agent: Any,
     context: _contexts.DistAutogradContext,
@@ -129,9 +152,11 @@ async def local_pass(
 ) -> None:
     """Run this worker's graph from ``outputs``; pass received leaves' gradients back.
 
-    ``root``: this is the worker that called ``backward`` (see :func:`_root_gradients`)."""
-    local = _root_gradients if root else _local_gradients
-    pairs = await agent.run_user_function(local, (outputs, grad_outputs), {})
+    ``root``: this is the worker that called ``backward`` (see :func:`_gradients_at_root`)."""
+    if root:
+        pairs = await agent.run_user_function(_gradients_at_root, (context, outputs, grad_outputs), {})
+    else:
+        pairs = await agent.run_user_function(_local_gradients, (outputs, grad_outputs), {})
     passes = pass_on(agent, context, pairs)
     if passes:
         await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
@@ -146,7 +171,7 @@ def local_pass_here(
     """:func:`local_pass` for a thread that may block (the caller of a blocking ``backward``):
     the local graph runs right here, with no hop to the loop and the pool and back; returns the
     futures of the passes it started on other workers."""
-    return pass_on(agent, context, _root_gradients(outputs, grad_outputs))
+    return pass_on(agent, context, _gradients_at_root(context, outputs, grad_outputs))
 
 
 def pass_on(agent: Any, context: _contexts.DistAutogradContext, pairs: list[LeafGradient]) -> list[Any]:
