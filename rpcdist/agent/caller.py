@@ -46,9 +46,6 @@ if TYPE_CHECKING:
     from rpcdist.agent.core import Agent
 
 SWEEP_SECONDS = 0.1
-# Tensors in a notice travel inside the message (nothing answers, so no shared-memory slot
-# could be handed back): for small ones, such as a collective's latency-bound messages.
-NOTICE_MAX_BUFFER_BYTES = 1 << 20
 DIRECT_MIN_TIMEOUT = 1.0
 
 
@@ -235,15 +232,8 @@ class Caller(LinkHandler):
         payload, buffers, _ = agent.pickle(
             (func, tuple(args), {}), f"notice {function_name} to {dest.name}", dest.id, outgoing=True
         )
-        carried = sum(len(b) for b in buffers)
-        if carried > NOTICE_MAX_BUFFER_BYTES:
-            raise ValueError(
-                f"a notice carries at most {NOTICE_MAX_BUFFER_BYTES} bytes of tensors and arrays, "
-                f"not {carried} ({function_name} to {dest.name})"
-            )
-        # Copied now: the notice carries the values of this moment, whenever the link writes
-        # it, and nothing comes back to say when the sender's memory would be free again.
-        buffers = [memoryview(bytes(b)) for b in buffers]
+        if buffers:
+            raise ValueError(f"a notice carries no tensors or arrays ({function_name} to {dest.name})")
 
         def start() -> None:
             if agent.closing:
@@ -258,8 +248,7 @@ class Caller(LinkHandler):
                     next(self._call_ids),
                     frames.NOTIFY,
                     payload,
-                    buffers,  # (in the message itself: nothing comes back to free a slot)
-                    chunk_bytes=agent.options.chunk_bytes,
+                    (),
                     function=function_name,
                     caller_rank=agent.info.id,
                 )

@@ -248,8 +248,7 @@ class Agent:
         handlers (``@inline``) whose caller does not wait, such as the release of a
         distributed autograd context. Half the messages of a call; ordered after the calls
         this thread submitted before; a failure is logged on ``to``; a notice to a peer that
-        is gone is dropped. Small arguments only: tensors and arrays up to
-        ``caller.NOTICE_MAX_BUFFER_BYTES`` in all, carried in the message itself."""
+        is gone is dropped. Small arguments only (no tensors)."""
         if not is_inline(func):
             raise ValueError(f"only rpcdist's own inline handlers are sent as notices, not {function_name}")
         self.caller.notify(to, func, args, function_name)

@@ -50,16 +50,12 @@ class Exchange:
         large = (
             isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() >= RING_MIN_BYTES
         )
-        # Small tensors (and a barrier's None) go as notices, which copy what they carry: nothing
-        # waits for their receipt (the next step waits for the receiver's own message), so
-        # answers would be wasted messages. Objects, of any size once pickled, go as calls.
-        notice = payload is None or (isinstance(payload, torch.Tensor) and not large)
+        if isinstance(payload, torch.Tensor) and not large:
+            payload = payload.clone()  # its bytes are only copied when the writer runs
         # A lent tensor is copied into its slot right here: the next step need not wait for the
         # receiver to hand the slot back (which costs the ring one hand-off per step).
         copied = not large or (lend and self.group.lends(to, payload))
-        future = self.group.send(
-            to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend, notice=notice
-        )
+        future = self.group.send(to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend)
         if copied:  # (objects are pickled in-band right here too)
             future.add_done_callback(_log_failure)
             self._copied.append(future)
