@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -217,3 +218,49 @@ def bound_twin(
         return await run_on(self._loop, async_method(self, *args, **kwargs))
 
     return anywhere
+
+
+def _grpc_poller_threads() -> list[threading.Thread]:
+    """grpc.aio's completion-queue poller threads (named after their target by older grpcio)."""
+    return [
+        t for t in threading.enumerate() if t.name.endswith("(_poll_wrapper)") or t.name == "grpc-aio-poller"
+    ]
+
+
+def _grpc_aio_in_use() -> bool:
+    """Whether any grpc.aio channel or server object still exists in this process (one that
+    is not rpcdist's keeps grpc.aio, and its poller thread, running)."""
+    import gc
+
+    from grpc._cython import cygrpc
+
+    kinds = tuple(k for k in (getattr(cygrpc, "AioChannel", None), getattr(cygrpc, "AioServer", None)) if k)
+    return any(isinstance(obj, kinds) for obj in gc.get_objects())
+
+
+def _pollers_to_wait_for() -> list[threading.Thread]:
+    pollers = _grpc_poller_threads()
+    return [] if not pollers or _grpc_aio_in_use() else pollers
+
+
+def wait_grpc_poller_gone(timeout: float = 2.0) -> None:
+    """After the last grpc.aio channel and server were freed, wait until grpc's poller thread
+    has ended.
+
+    grpc.aio stops it as the last such object goes, but the thread itself ends a moment later:
+    a program that lists its threads right after ``shutdown()`` (or forks) saw it still there.
+    Costs nothing when the thread is already gone; returns at once when grpc.aio is still in
+    use by someone else (the thread then rightly stays)."""
+    deadline = time.monotonic() + timeout
+    for thread in _pollers_to_wait_for():
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.debug("grpc's poller thread %s still runs %.1f s after shutdown", thread.name, timeout)
+
+
+async def wait_grpc_poller_gone_async(timeout: float = 2.0) -> None:
+    """:func:`wait_grpc_poller_gone` for a running loop (polls; never blocks the loop)."""
+    pollers = _pollers_to_wait_for()
+    deadline = time.monotonic() + timeout
+    while any(t.is_alive() for t in pollers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)

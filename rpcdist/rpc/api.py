@@ -22,7 +22,15 @@ import torch
 
 from rpcdist import metrics
 from rpcdist import rendezvous as rdv
-from rpcdist._runtime import acquire_loop, call_blocking, release_loop, stray_cancellation, wait_for
+from rpcdist._runtime import (
+    acquire_loop,
+    call_blocking,
+    release_loop,
+    stray_cancellation,
+    wait_for,
+    wait_grpc_poller_gone,
+    wait_grpc_poller_gone_async,
+)
 from rpcdist.agent import Agent, current_agent, set_current_agent
 from rpcdist.agent.options import (
     DEFAULT_INIT_METHOD,
@@ -267,7 +275,9 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
         stop_callback_threads()
+        del agent  # (its servers and channels go with it)
         gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
+        await wait_grpc_poller_gone_async()
 
 
 async def _close_quietly(agent: Agent) -> None:
@@ -293,6 +303,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             if _owns_loop:
                 _owns_loop = False
                 release_loop(loop)
+            del agent, loop  # the last references to its grpc objects, once the loop has stopped
+            gc.collect()
+            wait_grpc_poller_gone()
 
 
 def rpc_async(
