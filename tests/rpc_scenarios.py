@@ -484,10 +484,23 @@ def _api_checks() -> None:  # noqa: C901 - a list of independent checks
         replies_before = agent.status()["counts"]["calls_in_flight"]
         for i in range(3):
             agent.notify("w1", rf.take_notice, (i,), function_name="rpc_functions.take_notice")
+        # A small tensor travels in the notice itself (collectives send theirs this way).
+        carried = torch.arange(1000, dtype=torch.float64)
+        agent.notify("w1", rf.take_notice, (carried,), function_name="rpc_functions.take_notice")
+        carried.zero_()  # already encoded: the notice holds what was sent
         # A call after them runs after them (one link, in order), on w1's loop thread.
         got = rpc.rpc_sync("w1", rf.notices, timeout=CALL_TIMEOUT)
-        assert [value for value, _ in got] == [0, 1, 2], got
+        assert [value for value, _ in got[:3]] == [0, 1, 2], got
+        assert torch.equal(got[3][0], torch.arange(1000, dtype=torch.float64)), got[3]
         assert {thread for _, thread in got} == {"rpcdist-loop"}, got
+        try:  # a large one is refused before anything is sent: it belongs in a call
+            big = torch.zeros(1 << 19)  # 2 MB
+            agent.notify("w1", rf.take_notice, (big,), function_name="rpc_functions.take_notice")
+        except ValueError as exc:
+            assert "at most" in str(exc), exc
+        else:
+            raise AssertionError("a 2 MB notice was sent")
+        assert len(rpc.rpc_sync("w1", rf.notices, timeout=CALL_TIMEOUT)) == 4
         assert agent.status()["counts"]["calls_in_flight"] == replies_before  # nothing awaited
         try:
             agent.notify("w1", rf.whoami, (), function_name="rpc_functions.whoami")

@@ -12,7 +12,9 @@ Every rank computes the expected result of every check itself, from every rank's
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from _harness import GroupRun
@@ -280,3 +282,81 @@ def test_with_rpc_in_same_process(tmp_path_factory: pytest.TempPathFactory, orde
     )
     _all(run, 2, "init_both", "rpc_sync", "all_reduce", "both_in_flight", "shut_down_both")
     run.assert_clean_exit()
+
+
+# ============================================================================ 8. exit at once
+EXIT_AFTER_COLLECTIVE = r"""
+import asyncio, os, sys, time
+from datetime import timedelta
+
+import torch
+from torch.multiprocessing import Process
+
+import rpcdist as dist
+from rpcdist.transport.writer import FrameWriter
+
+
+def run(rank, op):
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=30))
+    tensor = torch.full((4,), float(rank + 1))
+    if rank == 0:
+        time.sleep(1.0)  # the others' messages are here first: rank 0's collective needs no wait
+        # ... and its own leave on a slow link: each frame is written 0.3 s late.
+        original = FrameWriter._write_batch
+
+        async def slow_link(self, messages):
+            await asyncio.sleep(0.3)
+            return await original(self, messages)
+
+        FrameWriter._write_batch = slow_link
+    if op == "all_reduce":
+        dist.all_reduce(tensor)
+    elif op == "barrier":
+        dist.barrier()
+    else:
+        dist.broadcast(tensor, src=0)
+    sys.stdout.write(f"rank {rank} {op} {tensor.tolist()}\n")  # one write: the ranks share a pipe
+    sys.stdout.flush()
+    # No destroy_process_group(): the process ends here, as a tutorial's does.
+
+
+if __name__ == "__main__":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    processes = [Process(target=run, args=(rank, sys.argv[1])) for rank in range(3)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(60)
+    sys.exit(max(abs(p.exitcode or 0) if p.exitcode is not None else 99 for p in processes))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["all_reduce", "barrier", "broadcast"])
+def test_a_rank_exiting_right_after_a_collective_loses_nothing(tmp_path: Path, op: str) -> None:
+    """A rank returns from its last collective and its process ends at once (no
+    destroy_process_group, as in the tutorials): the messages that collective sent still
+    reach the other ranks. (A small collective's messages are one-way notices; the collective
+    returns only once they are written.)"""
+    import subprocess
+    import sys
+
+    from _harness import free_port
+
+    script = tmp_path / "exit_after_collective.py"
+    script.write_text(EXIT_AFTER_COLLECTIVE)
+    proc = subprocess.run(
+        [sys.executable, str(script), op, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    expected = {"all_reduce": [6.0] * 4, "barrier": None, "broadcast": [1.0] * 4}[op]
+    for rank in range(3):
+        found = re.search(rf"rank {rank} {op} (\[[^\]]*\])", proc.stdout)
+        assert found is not None, report
+        if expected is not None:
+            assert found.group(1) == str(expected), report

@@ -201,3 +201,62 @@ def test_messages_written_from_threads_arrive_whole(loop_kind: str, monkeypatch:
         assert seen[source] == list(range(per_thread)), f"thread {source}'s order: {seen[source][:20]}..."
     assert sorted(seen[threads]) == list(range(per_thread))
     assert cut_short > 0, "no direct write was cut short: the test did not exercise the socket's limit"
+
+
+@pytest.mark.timeout(60)
+def test_writer_reports_a_message_written_only_once_its_last_frame_is() -> None:
+    """FrameWriter.send(written=...): the callback says True only after the frame holding the
+    message's last byte was written (a big message takes several frames, interleaved with
+    small ones), and False for what a failed or aborted writer never wrote. A collective's
+    notices wait on it, so that a rank may exit right after its last collective."""
+    from rpcdist.transport.writer import FrameWriter
+
+    big = [[b"x" * (MAX_FRAME_BYTES // 2)] for _ in range(5)]  # 2.5 frames' worth
+
+    async def run() -> None:
+        written_bytes = 0
+        reports: list[tuple[str, bool, int]] = []
+        gate = asyncio.Event()
+
+        async def write(frame: list[bytes | memoryview]) -> None:
+            nonlocal written_bytes
+            await gate.wait()  # nothing is written until the test lets it
+            written_bytes += sum(len(p) for p in frame)
+
+        writer = FrameWriter(write, "test")
+        writer.send(iter(big), lambda ok: reports.append(("big", ok, written_bytes)))
+        writer.send(iter([[b"s" * 100]]), lambda ok: reports.append(("small", ok, written_bytes)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert reports == [], "reported written before anything was written"
+        gate.set()
+        await writer.close()
+        total = 5 * (MAX_FRAME_BYTES // 2) + 100
+        assert written_bytes == total
+        by_name = {name: (ok, at) for name, ok, at in reports}
+        assert by_name["big"] == (True, total), reports  # its last piece went in the last frame
+        ok, at = by_name["small"]
+        assert ok and 100 <= at < total, reports  # between the big one's frames
+
+        # A write that fails: what it held, and what was queued behind it, is reported unwritten.
+        async def broken(frame: list[bytes | memoryview]) -> None:
+            raise OSError("connection reset")
+
+        failing = FrameWriter(broken, "broken")
+        outcome: list[bool] = []
+        failing.send(iter([[b"a"]]), outcome.append)
+        failing.send(iter([[b"b"]]), outcome.append)
+        await failing.close()
+        assert outcome == [False, False]
+
+        # Aborted before it ever ran: still reported, so nobody waits for it forever.
+        stuck = FrameWriter(write, "aborted")
+        gate.clear()
+        outcome = []
+        stuck.send(iter([[b"c"]]), outcome.append)
+        stuck.abort()
+        assert outcome == [False]
+        await asyncio.wait([stuck._task])
+        assert outcome == [False], "reported twice"
+
+    asyncio.run(run())

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from rpcdist.agent.core import Agent
 
 SWEEP_SECONDS = 0.1
+# Tensors in a notice travel inside the message (nothing answers, so no shared-memory slot
+# could be handed back): for small ones, such as a collective's latency-bound messages.
+NOTICE_MAX_BUFFER_BYTES = 1 << 20
 DIRECT_MIN_TIMEOUT = 1.0
 
 
@@ -221,10 +224,19 @@ class Caller(LinkHandler):
         self._agent.loop.call_later(SWEEP_SECONDS, self._sweep)
 
     def notify(
-        self, to: str | int | WorkerInfo, func: Callable[..., Any], args: tuple[Any, ...], function_name: str
-    ) -> None:
+        self,
+        to: str | int | WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        function_name: str,
+        track: bool = False,
+    ) -> Future[None] | None:
         """Send ``func(*args)`` to ``to`` from any thread, expecting no answer (see
-        ``Agent.notify``). Raises at once on bad input; a lost link drops it silently."""
+        ``Agent.notify``). Raises at once on bad input; a lost link drops it silently.
+
+        ``track``: return a Future that completes once the notice has been handed to the link's
+        carrier (so a process may exit without losing it), or fails with WorkerUnavailableError
+        once it never will be."""
         agent = self._agent
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
@@ -232,32 +244,56 @@ class Caller(LinkHandler):
         payload, buffers, _ = agent.pickle(
             (func, tuple(args), {}), f"notice {function_name} to {dest.name}", dest.id, outgoing=True
         )
-        if buffers:
-            raise ValueError(f"a notice carries no tensors or arrays ({function_name} to {dest.name})")
+        carried = sum(len(b) for b in buffers)
+        if carried > NOTICE_MAX_BUFFER_BYTES:
+            raise ValueError(
+                f"a notice carries at most {NOTICE_MAX_BUFFER_BYTES} bytes of tensors and arrays, "
+                f"not {carried} ({function_name} to {dest.name})"
+            )
+        # Copied now: the notice carries the values of this moment, whenever the link writes
+        # it, and nothing comes back to say when the sender's memory would be free again.
+        buffers = [memoryview(bytes(b)) for b in buffers]
+
+        sent: Future[None] | None = Future() if track else None
+
+        def written(ok: bool) -> None:
+            if ok:
+                sent.set_result(None)
+            else:
+                sent.set_exception(
+                    WorkerUnavailableError(f"notice {function_name} to {dest.name} was not sent: link closed")
+                )
 
         def start() -> None:
             if agent.closing:
+                if sent is not None:
+                    sent.set_exception(RpcError(f"{agent.info.name} shut down before notice {function_name}"))
                 return
             try:
                 link = agent.transport.link(dest.id)
             except Exception as exc:  # noqa: BLE001 - a gone peer needs no notice
                 log.debug("notice %s to %s dropped: %s", function_name, dest.name, exc)
+                if sent is not None:
+                    sent.set_exception(WorkerUnavailableError(f"notice {function_name}, {dest.name}: {exc}"))
                 return
             link.send(
                 frames.encode_message(
                     next(self._call_ids),
                     frames.NOTIFY,
                     payload,
-                    (),
+                    buffers,  # (in the message itself: nothing comes back to free a slot)
+                    chunk_bytes=agent.options.chunk_bytes,
                     function=function_name,
                     caller_rank=agent.info.id,
-                )
+                ),
+                None if sent is None else written,
             )
 
         if threading.get_ident() == agent.loop_thread_id and not agent.inbox.pending:
             start()
         else:  # through the inbox: after the calls this thread submitted before it
             agent.inbox.post(start)
+        return sent
 
     def _start(self, call: OutgoingCall) -> None:
         agent = self._agent

@@ -243,15 +243,21 @@ class Agent:
         args: tuple[Any, ...],
         *,
         function_name: str,
-    ) -> None:
+        track: bool = False,
+    ) -> Future[None] | None:
         """Have ``to`` run ``func(*args)`` and answer nothing: for rpcdist's own short loop-side
         handlers (``@inline``) whose caller does not wait, such as the release of a
         distributed autograd context. Half the messages of a call; ordered after the calls
         this thread submitted before; a failure is logged on ``to``; a notice to a peer that
-        is gone is dropped. Small arguments only (no tensors)."""
+        is gone is dropped. Small arguments only: tensors and arrays up to
+        ``caller.NOTICE_MAX_BUFFER_BYTES`` in all, carried in the message itself.
+
+        ``track``: return a Future that completes once the notice is written to the link (a
+        process that waits for it may exit without losing the notice) or fails once it never
+        will be; else None."""
         if not is_inline(func):
             raise ValueError(f"only rpcdist's own inline handlers are sent as notices, not {function_name}")
-        self.caller.notify(to, func, args, function_name)
+        return self.caller.notify(to, func, args, function_name, track)
 
     def on_peer_lost(self, listener: Callable[[WorkerInfo, str], None]) -> None:
         """Call ``listener(peer, reason)`` on the loop whenever the link to a peer is lost

@@ -40,6 +40,9 @@ class Exchange:
         self.size = group.size()
         self._sent: list[Any] = []
         self._copied: list[Any] = []  # sends nobody waits for; a failure seen by then is raised
+        # Notices: flush waits until they are written (not received), so a rank that returns
+        # from its last collective and exits at once has not left its messages unsent.
+        self._written: list[Any] = []
         self._loans: list[Loan] = []
 
     def send(self, to: int, step: int, payload: Any, meta: Any = None, lend: bool = True) -> None:
@@ -50,13 +53,19 @@ class Exchange:
         large = (
             isinstance(payload, torch.Tensor) and payload.numel() * payload.element_size() >= RING_MIN_BYTES
         )
-        if isinstance(payload, torch.Tensor) and not large:
-            payload = payload.clone()  # its bytes are only copied when the writer runs
+        # Small tensors (and a barrier's None) go as notices, which copy what they carry: nothing
+        # waits for their receipt (the next step waits for the receiver's own message), so
+        # answers would be wasted messages. Objects, of any size once pickled, go as calls.
+        notice = payload is None or (isinstance(payload, torch.Tensor) and not large)
         # A lent tensor is copied into its slot right here: the next step need not wait for the
         # receiver to hand the slot back (which costs the ring one hand-off per step).
         copied = not large or (lend and self.group.lends(to, payload))
-        future = self.group.send(to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend)
-        if copied:  # (objects are pickled in-band right here too)
+        future = self.group.send(
+            to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend, notice=notice
+        )
+        if notice:
+            self._written.append(future)
+        elif copied:  # (objects are pickled in-band right here too)
             future.add_done_callback(_log_failure)
             self._copied.append(future)
         else:
@@ -92,11 +101,17 @@ class Exchange:
 
     async def flush(self) -> None:
         """Release what was received, then wait until every large message sent has been taken
-        by its receiver (so its buffer may change)."""
+        by its receiver (so its buffer may change) and every notice is written."""
         self.release()
         sent, self._sent = self._sent, []
         for future in sent:
             await future
+        written, self._written = self._written, []
+        for future in written:
+            if not future.done():
+                await future
+            elif future.exception() is not None:
+                raise future.exception()
         copied, self._copied = self._copied, []
         for future in copied:
             if future.done() and future.exception() is not None:

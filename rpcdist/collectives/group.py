@@ -111,14 +111,33 @@ class ProcessGroup:
         )
 
     def send(
-        self, to_group_rank: int, tag: Any, header: Any, payload: Any = None, lend: bool = True
+        self,
+        to_group_rank: int,
+        tag: Any,
+        header: Any,
+        payload: Any = None,
+        lend: bool = True,
+        notice: bool = False,
     ) -> Future[Any]:
         """Send ``(header, payload)`` to a member. The Future completes once the receiver has
         filed it, or, for a large tensor lent to a co-located peer (``lend``), once the
-        receiving operation has used it."""
+        receiving operation has used it.
+
+        ``notice``: nobody waits for the receipt (a collective's small message, whose receiver
+        answers with a message of its own anyway): it goes as a one-way notice, half the
+        messages, and the Future completes once it is written to the link (not received). A
+        lost peer fails the receives waiting for it instead. Not for lent tensors."""
         state = self._state
         dest = self.global_rank(to_group_rank)
         agent = state.agent
+        if notice and not (lend and self.lends(to_group_rank, payload)):
+            return agent.notify(
+                dest,
+                _deliver,
+                (self.group_id, state.rank, tag, header, payload),
+                function_name="rpcdist.collectives.deliver",
+                track=True,
+            )
         if lend and self.lends(to_group_rank, payload):
             slot, descriptor = lend_tensor(state.slots, dest, payload)
             future = agent.submit(

@@ -111,9 +111,10 @@ class Link(abc.ABC):
         self.lost_reason = reason
         self.reader.cancel()
 
-    def send(self, entries: Entries) -> None:
-        """Queue one message; it goes out in order, interleaved chunk by chunk with others."""
-        self.writer.send(entries)
+    def send(self, entries: Entries, written: Callable[[bool], None] | None = None) -> None:
+        """Queue one message; it goes out in order, interleaved chunk by chunk with others.
+        ``written``: see :meth:`FrameWriter.send`."""
+        self.writer.send(entries, written)
 
     @abc.abstractmethod
     async def close(self, graceful: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -60,11 +61,36 @@ class FrameWriter:
         self._heartbeat_due = False
         # The peer's byte counters (rpcdist.metrics.Traffic) while metrics are on; None is free.
         self.traffic: Any = None
+        # Messages sent with a written() callback that has not run yet, and those of them whose
+        # last piece is in the frame being made.
+        self._unwritten: dict[int, Callable[[bool], None]] = {}
+        self._finished: list[int] = []
+        self._keys = itertools.count()
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
 
-    def send(self, entries: Entries) -> None:
+    def send(self, entries: Entries, written: Callable[[bool], None] | None = None) -> None:
+        """Queue one message. ``written(ok)`` runs on the loop once its last byte has been
+        handed to the carrier (the kernel's socket buffer; gRPC's stream), or with False once
+        it never will be (the link was lost or closed first)."""
+        if written is not None:
+            key = next(self._keys)
+            self._unwritten[key] = written
+            entries = self._tracked(entries, key)
         self._messages.append(entries)
         self._wake.set()
+
+    def _tracked(self, entries: Entries, key: int) -> Entries:
+        yield from entries
+        self._finished.append(key)  # its last piece is in the frame being made
+
+    def _report_written(self, ok: bool, keys: list[int]) -> None:
+        for key in keys:
+            written = self._unwritten.pop(key, None)
+            if written is not None:
+                try:
+                    written(ok)
+                except Exception:  # noqa: BLE001 - one listener's bug must not stop the writer
+                    log.exception("writer %s: a written() callback failed", self._task.get_name())
 
     def write_now(self, entries: list[list[bytes | memoryview]]) -> bool:
         """From any thread: write this small, complete message (its encoded entries) at once,
@@ -96,6 +122,12 @@ class FrameWriter:
         self._wake.set()
 
     async def _run(self) -> None:
+        try:
+            await self._write_queued()
+        finally:  # lost, closed or aborted: what is left will never be written
+            self._report_written(False, list(self._unwritten))
+
+    async def _write_queued(self) -> None:
         messages = self._messages
         while True:
             if self._heartbeat_due:
@@ -129,11 +161,14 @@ class FrameWriter:
             size += sum(len(p) for p in entry)
             if size >= MAX_FRAME_BYTES and len(messages) > 1:
                 messages.rotate(-1)  # a big message yields its turn after each chunk
+        finished, self._finished = self._finished, []
         if pieces:
             if not await self._put(pieces):
                 return False
             if self.traffic is not None:
                 self.traffic.sent += size
+        if finished:
+            self._report_written(True, finished)
         return True
 
     async def _put(self, frame: list[bytes | memoryview]) -> bool:
@@ -157,3 +192,4 @@ class FrameWriter:
 
     def abort(self) -> None:
         self._task.cancel()
+        self._report_written(False, list(self._unwritten))  # (a task cancelled unstarted runs nothing)
