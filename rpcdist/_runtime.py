@@ -234,8 +234,10 @@ def _grpc_aio_in_use() -> bool:
 
     from grpc._cython import cygrpc
 
-    kinds = tuple(k for k in (getattr(cygrpc, "AioChannel", None), getattr(cygrpc, "AioServer", None)) if k)
-    return any(isinstance(obj, kinds) for obj in gc.get_objects())
+    kinds = {k for k in (getattr(cygrpc, "AioChannel", None), getattr(cygrpc, "AioServer", None)) if k}
+    # type(), not isinstance(): the heap holds weak proxies, and isinstance() of a dead one
+    # raises ReferenceError. (Both classes are final: grpc.aio wraps them, never subclasses.)
+    return any(type(obj) in kinds for obj in gc.get_objects())
 
 
 def _pollers_to_wait_for() -> list[threading.Thread]:

@@ -42,3 +42,43 @@ async def test_wait_for_keeps_a_cancellation_that_arrives_as_the_result_does() -
         with pytest.raises(asyncio.CancelledError):
             await task
         assert after == []
+
+
+def test_waiting_for_grpc_poller_thread_ends_it_or_leaves_it_to_its_user() -> None:
+    """After its last gRPC object goes, shutdown waits for grpc.aio's poller thread to end; while
+    someone else's channel lives, it does not wait (the thread rightly stays). A dead weak proxy
+    on the heap (as torch and the test tools leave) must not break the check."""
+    import gc
+    import threading
+    import time
+    import weakref
+
+    import grpc
+
+    from rpcdist._runtime import _grpc_aio_in_use, _grpc_poller_threads, wait_grpc_poller_gone
+
+    class Anything:
+        pass
+
+    target = Anything()
+    dead_proxy = weakref.proxy(target)
+    del target
+    gc.collect()
+    assert not _grpc_aio_in_use()  # (and no ReferenceError from the dead proxy)
+
+    async def with_channel() -> None:
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")
+        assert _grpc_poller_threads(), "grpc.aio started no poller thread"
+        started = time.monotonic()
+        wait_grpc_poller_gone(timeout=5.0)  # in use: returns at once
+        assert time.monotonic() - started < 1.0
+        assert _grpc_poller_threads()
+        await channel.close()
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(with_channel())
+    loop.close()
+    gc.collect()  # the channel's objects go; grpc.aio shuts down and stops its poller
+    wait_grpc_poller_gone(timeout=5.0)
+    assert not _grpc_poller_threads(), [t.name for t in threading.enumerate()]
+    assert dead_proxy is not None  # (kept on the heap until here)
