@@ -240,9 +240,9 @@ def _grpc_aio_in_use() -> bool:
     return any(type(obj) in kinds for obj in gc.get_objects())
 
 
-def _pollers_to_wait_for() -> list[threading.Thread]:
-    pollers = _grpc_poller_threads()
-    return [] if not pollers or _grpc_aio_in_use() else pollers
+POLLER_GRACE_SECONDS = 0.05
+"""How long grpc's poller thread usually takes to end once grpc.aio shut down: waited for
+before the (costlier) check of whether grpc.aio is still in use at all."""
 
 
 def wait_grpc_poller_gone(timeout: float = 2.0) -> None:
@@ -251,10 +251,16 @@ def wait_grpc_poller_gone(timeout: float = 2.0) -> None:
 
     grpc.aio stops it as the last such object goes, but the thread itself ends a moment later:
     a program that lists its threads right after ``shutdown()`` (or forks) saw it still there.
-    Costs nothing when the thread is already gone; returns at once when grpc.aio is still in
-    use by someone else (the thread then rightly stays)."""
+    Costs nothing when the thread is already gone; gives up after a moment when grpc.aio is
+    still in use by someone else (the thread then rightly stays)."""
+    pollers = _grpc_poller_threads()
     deadline = time.monotonic() + timeout
-    for thread in _pollers_to_wait_for():
+    for thread in pollers:
+        thread.join(POLLER_GRACE_SECONDS)
+    pollers = [t for t in pollers if t.is_alive()]
+    if not pollers or _grpc_aio_in_use():
+        return
+    for thread in pollers:
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             log.debug("grpc's poller thread %s still runs %.1f s after shutdown", thread.name, timeout)
@@ -262,7 +268,12 @@ def wait_grpc_poller_gone(timeout: float = 2.0) -> None:
 
 async def wait_grpc_poller_gone_async(timeout: float = 2.0) -> None:
     """:func:`wait_grpc_poller_gone` for a running loop (polls; never blocks the loop)."""
-    pollers = _pollers_to_wait_for()
-    deadline = time.monotonic() + timeout
-    while any(t.is_alive() for t in pollers) and time.monotonic() < deadline:
+    pollers = _grpc_poller_threads()
+    start = time.monotonic()
+    while any(t.is_alive() for t in pollers) and time.monotonic() - start < POLLER_GRACE_SECONDS:
+        await asyncio.sleep(0.002)
+    pollers = [t for t in pollers if t.is_alive()]
+    if not pollers or _grpc_aio_in_use():
+        return
+    while any(t.is_alive() for t in pollers) and time.monotonic() - start < timeout:
         await asyncio.sleep(0.002)
