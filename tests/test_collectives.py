@@ -360,3 +360,66 @@ def test_a_rank_exiting_right_after_a_collective_loses_nothing(tmp_path: Path, o
         assert found is not None, report
         if expected is not None:
             assert found.group(1) == str(expected), report
+
+
+UNWRITTEN_NOTICE = r"""
+import asyncio, os, sys
+from datetime import timedelta
+
+import torch
+from torch.multiprocessing import Process
+
+import rpcdist as dist
+from rpcdist.transport.writer import FrameWriter
+
+
+def run(rank):
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
+    if rank == 0:  # a link that takes 6 s per frame: its messages stay unwritten past the timeout
+        original = FrameWriter._write_batch
+
+        async def stalled_link(self, messages):
+            await asyncio.sleep(6.0)
+            return await original(self, messages)
+
+        FrameWriter._write_batch = stalled_link
+    tensor = torch.full((4,), float(rank + 1))
+    try:
+        dist.broadcast(tensor, src=0)
+        outcome = "returned"
+    except dist.CollectiveTimeoutError as exc:
+        outcome = f"timeout: {exc}"
+    sys.stdout.write(f"rank {rank} {outcome}\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    processes = [Process(target=run, args=(rank,)) for rank in range(2)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(60)
+    sys.exit(max(abs(p.exitcode) if p.exitcode is not None else 99 for p in processes))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_whose_messages_cannot_be_written_times_out(tmp_path: Path) -> None:
+    """The wait for a collective's messages to be written is bounded by the group's timeout:
+    a root whose link takes longer gets a CollectiveTimeoutError naming the peer (and its
+    receiver one of its own), never a hang."""
+    import subprocess
+    import sys
+
+    from _harness import free_port
+
+    script = tmp_path / "unwritten_notice.py"
+    script.write_text(UNWRITTEN_NOTICE)
+    command = [sys.executable, str(script), str(free_port())]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    unwritten = r"rank 0 timeout: broadcast .* rank\(s\) \[1\] were not written within 2 s"
+    assert re.search(unwritten, proc.stdout), report
+    assert re.search(r"rank 1 timeout: .*no message from rank 0 within 2 s", proc.stdout), report

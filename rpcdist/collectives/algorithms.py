@@ -14,13 +14,15 @@ so every rank gets bit-identical results.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rpcdist.collectives.group import DistributedError, ProcessGroup
+from rpcdist._runtime import wait_for
+from rpcdist.collectives.group import CollectiveTimeoutError, DistributedError, ProcessGroup
 from rpcdist.collectives.loans import Loan
 from rpcdist.collectives.reduce_ops import ReduceOp, combine, finish
 
@@ -64,7 +66,7 @@ class Exchange:
             to, ("c", self.sequence, step), (self.name, meta), payload, lend=lend, notice=notice
         )
         if notice:
-            self._written.append(future)
+            self._written.append((to, future))
         elif copied:  # (objects are pickled in-band right here too)
             future.add_done_callback(_log_failure)
             self._copied.append(future)
@@ -107,11 +109,21 @@ class Exchange:
         for future in sent:
             await future
         written, self._written = self._written, []
-        for future in written:
-            if not future.done():
-                await future
-            elif future.exception() is not None:
+        for _, future in written:
+            if future.done() and future.exception() is not None:
                 raise future.exception()
+        pending = [(to, future) for to, future in written if not future.done()]
+        if pending:
+            timeout = self.group.timeout if self.group.timeout > 0 else None
+            try:
+                await wait_for(_each(future for _, future in pending), timeout)
+            except asyncio.TimeoutError:
+                stuck = sorted({self.group.global_rank(to) for to, future in pending if not future.done()})
+                raise CollectiveTimeoutError(
+                    f"{self.name} (collective #{self.sequence} of group {self.group.ranks}) on rank "
+                    f"{self.group.global_rank(self.me)}: its messages to rank(s) {stuck} were not "
+                    f"written within {timeout:g} s (the peer reads nothing)"
+                ) from None
         copied, self._copied = self._copied, []
         for future in copied:
             if future.done() and future.exception() is not None:
@@ -121,6 +133,11 @@ class Exchange:
 
     def others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.me]
+
+
+async def _each(futures: Any) -> None:
+    for future in futures:
+        await future
 
 
 def _log_failure(future: Any) -> None:
