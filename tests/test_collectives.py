@@ -285,7 +285,10 @@ def test_with_rpc_in_same_process(tmp_path_factory: pytest.TempPathFactory, orde
 
 
 # ============================================================================ 8. exit at once
-EXIT_AFTER_COLLECTIVE = r"""
+# What the programs below share: a link made slow on purpose, and a launcher of ``world``
+# processes that runs ``run(rank, *argv[2:])`` with MASTER_PORT=argv[1] and exits non-zero if any
+# of them failed.
+_PROGRAM_PRELUDE = r"""
 import asyncio, os, sys, time
 from datetime import timedelta
 
@@ -296,19 +299,52 @@ import rpcdist as dist
 from rpcdist.transport.writer import FrameWriter
 
 
+def slow_link(seconds):
+    # Every frame this process writes from now on leaves ``seconds`` late.
+    original = FrameWriter._write_batch
+
+    async def delayed(self, messages):
+        await asyncio.sleep(seconds)
+        return await original(self, messages)
+
+    FrameWriter._write_batch = delayed
+
+
+def launch(world):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    processes = [Process(target=run, args=(rank, *sys.argv[2:])) for rank in range(world)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(60)
+    sys.exit(max(abs(p.exitcode) if p.exitcode is not None else 99 for p in processes))
+"""
+
+
+def _run_program(tmp_path: Path, name: str, body: str, *args: str) -> tuple[str, str]:
+    """Run the prelude plus ``body`` as a script (a free port first, then ``args``); returns its
+    stdout and the report to fail with. Fails the test unless it exits 0."""
+    import subprocess
+    import sys
+
+    from _harness import free_port
+
+    script = tmp_path / f"{name}.py"
+    script.write_text(_PROGRAM_PRELUDE + body)
+    command = [sys.executable, str(script), str(free_port()), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    return proc.stdout, report
+
+
+EXIT_AFTER_COLLECTIVE = r"""
 def run(rank, op):
     dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=30))
     tensor = torch.full((4,), float(rank + 1))
     if rank == 0:
         time.sleep(1.0)  # the others' messages are here first: rank 0's collective needs no wait
-        # ... and its own leave on a slow link: each frame is written 0.3 s late.
-        original = FrameWriter._write_batch
-
-        async def slow_link(self, messages):
-            await asyncio.sleep(0.3)
-            return await original(self, messages)
-
-        FrameWriter._write_batch = slow_link
+        slow_link(0.3)  # ... and its own leave on a slow link
     if op == "all_reduce":
         dist.all_reduce(tensor)
     elif op == "barrier":
@@ -321,13 +357,7 @@ def run(rank, op):
 
 
 if __name__ == "__main__":
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-    processes = [Process(target=run, args=(rank, sys.argv[1])) for rank in range(3)]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(60)
-    sys.exit(max(abs(p.exitcode or 0) if p.exitcode is not None else 99 for p in processes))
+    launch(3)
 """
 
 
@@ -338,51 +368,20 @@ def test_a_rank_exiting_right_after_a_collective_loses_nothing(tmp_path: Path, o
     destroy_process_group, as in the tutorials): the messages that collective sent still
     reach the other ranks. (A small collective's messages are one-way notices; the collective
     returns only once they are written.)"""
-    import subprocess
-    import sys
-
-    from _harness import free_port
-
-    script = tmp_path / "exit_after_collective.py"
-    script.write_text(EXIT_AFTER_COLLECTIVE)
-    proc = subprocess.run(
-        [sys.executable, str(script), op, str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-    )
-    report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    assert proc.returncode == 0, report
+    stdout, report = _run_program(tmp_path, "exit_after_collective", EXIT_AFTER_COLLECTIVE, op)
     expected = {"all_reduce": [6.0] * 4, "barrier": None, "broadcast": [1.0] * 4}[op]
     for rank in range(3):
-        found = re.search(rf"rank {rank} {op} (\[[^\]]*\])", proc.stdout)
+        found = re.search(rf"rank {rank} {op} (\[[^\]]*\])", stdout)
         assert found is not None, report
         if expected is not None:
             assert found.group(1) == str(expected), report
 
 
 UNWRITTEN_NOTICE = r"""
-import asyncio, os, sys
-from datetime import timedelta
-
-import torch
-from torch.multiprocessing import Process
-
-import rpcdist as dist
-from rpcdist.transport.writer import FrameWriter
-
-
 def run(rank):
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=2))
-    if rank == 0:  # a link that takes 6 s per frame: its messages stay unwritten past the timeout
-        original = FrameWriter._write_batch
-
-        async def stalled_link(self, messages):
-            await asyncio.sleep(6.0)
-            return await original(self, messages)
-
-        FrameWriter._write_batch = stalled_link
+    if rank == 0:
+        slow_link(6.0)  # its messages stay unwritten past the group's timeout
     tensor = torch.full((4,), float(rank + 1))
     try:
         dist.broadcast(tensor, src=0)
@@ -394,13 +393,7 @@ def run(rank):
 
 
 if __name__ == "__main__":
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-    processes = [Process(target=run, args=(rank,)) for rank in range(2)]
-    for p in processes:
-        p.start()
-    for p in processes:
-        p.join(60)
-    sys.exit(max(abs(p.exitcode) if p.exitcode is not None else 99 for p in processes))
+    launch(2)
 """
 
 
@@ -409,17 +402,7 @@ def test_a_collective_whose_messages_cannot_be_written_times_out(tmp_path: Path)
     """The wait for a collective's messages to be written is bounded by the group's timeout:
     a root whose link takes longer gets a CollectiveTimeoutError naming the peer (and its
     receiver one of its own), never a hang."""
-    import subprocess
-    import sys
-
-    from _harness import free_port
-
-    script = tmp_path / "unwritten_notice.py"
-    script.write_text(UNWRITTEN_NOTICE)
-    command = [sys.executable, str(script), str(free_port())]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
-    report = f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    assert proc.returncode == 0, report
+    stdout, report = _run_program(tmp_path, "unwritten_notice", UNWRITTEN_NOTICE)
     unwritten = r"rank 0 timeout: broadcast .* rank\(s\) \[1\] were not written within 2 s"
-    assert re.search(unwritten, proc.stdout), report
-    assert re.search(r"rank 1 timeout: .*no message from rank 0 within 2 s", proc.stdout), report
+    assert re.search(unwritten, stdout), report
+    assert re.search(r"rank 1 timeout: .*no message from rank 0 within 2 s", stdout), report
