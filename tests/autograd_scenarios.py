@@ -33,6 +33,7 @@ from rpc_scenarios import finish, finish_async, full_text, init, options
 
 import rpcdist.autograd as dist_autograd
 import rpcdist.rpc as rpc
+from rpcdist import metrics
 from rpcdist.autograd import _contexts
 from rpcdist.optim import DistributedOptimizer
 
@@ -45,6 +46,7 @@ PS_ITERATIONS = 3
 PS_LR = 0.1
 PS_SEED = 300
 TRAINERS = (1, 2)
+BACKWARD_CALL = "rpcdist.autograd.backward"  # the function name of a backward pass's calls
 
 
 # ============================================================================ helpers
@@ -98,6 +100,11 @@ def params(module: torch.nn.Module) -> list[torch.Tensor]:
 
 def context_counts() -> dict[str, int]:
     return {w: rpc.rpc_sync(w, af.context_count, timeout=CALL_TIMEOUT) for w in WORKERS}
+
+
+def vars_of(stats: Any) -> dict[str, Any] | None:
+    """A metrics record's counts, for an assertion's message."""
+    return None if stats is None else {k: getattr(stats, k) for k in stats.__slots__ if k != "seconds"}
 
 
 def wait_counts(expected: dict[str, int], timeout: float = 5.0) -> dict[str, int]:
@@ -174,6 +181,28 @@ def _split() -> None:
             asyncio.run(dist_autograd.backward_async(cid, [loss_fn(out)]))
             assert_all_close(expected[:2], local_grads(cid, params(s1)), "w0")
             assert_all_close(expected[2:], remote_grads("w1", "split/s2", cid), "w1")
+
+    with check("split/gradients_handed_back_not_called_back"):
+        # w1's pass passes its gradients on to w0 only, the worker that called it: it hands
+        # them back in its answer (one call per backward, blocking or async), and w0 serves no
+        # backward call from w1. Counted by w0's metrics, on for this check only.
+        metrics.enable(0, "127.0.0.1")
+        try:
+            calls, served = metrics.current.calls, metrics.current.served
+            for backward in ("blocking", "async") * 3:
+                with dist_autograd.context() as cid:
+                    out = rpc.rpc_sync("w1", af.forward, ("split/s2", s1(x)), timeout=CALL_TIMEOUT)
+                    if backward == "blocking":
+                        dist_autograd.backward(cid, [loss_fn(out)])
+                    else:
+                        asyncio.run(dist_autograd.backward_async(cid, [loss_fn(out)]))
+                    assert_all_close(expected[:2], local_grads(cid, params(s1)), f"w0 ({backward})")
+                    assert_all_close(expected[2:], remote_grads("w1", "split/s2", cid), f"w1 ({backward})")
+            made = calls.get((BACKWARD_CALL, "w1"))
+            assert made is not None and made.started == 6 and made.finished == 6, vars_of(made)
+            assert (BACKWARD_CALL, "w1") not in served, f"w0 served {vars_of(served[(BACKWARD_CALL, 'w1')])}"
+        finally:
+            metrics.release()
 
 
 # ---------------------------------------------------------------------------- 2. 3-stage chain

@@ -49,6 +49,10 @@ def test_backward_async_from_a_blocking_program(main: GroupRun) -> None:
     main.check("split/backward_async_from_sync_program")
 
 
+def test_gradients_for_the_caller_are_handed_back_not_called_back(main: GroupRun) -> None:
+    main.check("split/gradients_handed_back_not_called_back")
+
+
 # ============================================================================ 2. 3-stage chain
 def test_three_stage_chain_with_nested_rpc(main: GroupRun) -> None:
     main.check("chain/gradients")

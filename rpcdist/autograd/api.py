@@ -21,7 +21,6 @@ from rpcdist.agent.markers import inline
 from rpcdist.autograd import _contexts
 from rpcdist.autograd.engine import local_pass, local_pass_here
 from rpcdist.errors import BlockingCallError, RpcError
-from rpcdist.futures import wait_all
 from rpcdist.serialization import trust
 
 log = logging.getLogger(__name__)
@@ -191,8 +190,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     # and back); the loop only carries the gradients that go to other workers.
     try:
         with _contexts.entered(None):  # the passes it starts are not calls made in the context
-            passes = local_pass_here(agent, context, outputs, grads)
-        wait_all(passes)
+            local_pass_here(agent, context, outputs, grads)
     except Exception as exc:
         raise _node_error(agent, exc) from exc
 

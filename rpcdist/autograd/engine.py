@@ -8,23 +8,35 @@ worker accumulate in the context; leaves that were received from a peer send the
 back to that peer's send, which runs its own local pass, and so on. A pass completes when
 all the passes it started have, so ``backward`` returns once the whole distributed graph is
 done; an error anywhere reaches its caller.
+
+A pass whose gradients all go back to the worker that called it (a pipeline stage whose input
+came from the driver that runs the backward, a chain's last hop) does not call that worker: it
+hands the gradients back in its answer, and the caller runs them as its own pass. The same
+work, two messages instead of four (a call back, its answer, then this pass's answer), and the
+pass keeps its caller's failure detection (it is an ordinary call with an ordinary answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+try:  # torch's own entry into its engine, under autograd.grad's handling of its arguments
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # (a torch without it)
+    _engine_run_backward = None
+
 from rpcdist.agent import current_agent
 from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
-from rpcdist.futures import Future
+from rpcdist.futures import Future, wait_all
 from rpcdist.serialization import trust
 
 
@@ -66,7 +78,15 @@ def _local_gradients(
         leaves = _leaves(outputs)
     if not leaves:
         return []
-    grads = torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True)
+    if _engine_run_backward is None:
+        grads = torch.autograd.grad(outputs, leaves, grad_outputs, retain_graph=True, allow_unused=True)
+    else:
+        # What autograd.grad runs, without its argument handling: that costs ~40-70 us a pass
+        # on a worker that just woke (cold caches), and the arguments here are tensors already
+        # (the engine still checks each gradient's shape against its output's).
+        grads = _engine_run_backward(
+            tuple(outputs), tuple(grad_outputs), True, False, tuple(leaves), True, accumulate_grad=False
+        )
     return [(leaf, grad, False) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
 
 
@@ -143,6 +163,12 @@ def _gradients_at_root(
     return _root_gradients(outputs, grad_outputs, leaves)
 
 
+# What a pass hands back to its caller: (send id, gradient) of tensors the caller sent.
+HandedBack = list[tuple[int, torch.Tensor]]
+# The gradients a pass passes on to other workers: (the sender, its send id, the gradient).
+Outgoing = list[tuple[int, int, torch.Tensor]]
+
+
 async def local_pass(
     agent: Any,
     context: _contexts.DistAutogradContext,
@@ -150,7 +176,8 @@ async def local_pass(
     grad_outputs: Sequence[torch.Tensor],
     root: bool = False,
 ) -> None:
-    """Run this worker's graph from ``outputs``; pass received leaves' gradients back.
+    """Run this worker's graph from ``outputs``; pass received leaves' gradients back, and
+    run what those passes hand back, until the whole distributed pass is done.
 
     ``root``: this is the worker that called ``backward`` (see :func:`_gradients_at_root`)."""
     if root:
@@ -158,8 +185,12 @@ async def local_pass(
     else:
         pairs = await agent.run_user_function(_local_gradients, (outputs, grad_outputs), {})
     passes = pass_on(agent, context, pairs)
-    if passes:
-        await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+    while passes:
+        handed = await asyncio.gather(*(asyncio.ensure_future(_awaitable(p)) for p in passes))
+        passes = []
+        if any(handed):
+            pairs = await agent.run_user_function(_handed_gradients, (context, _joined(handed)), {})
+            passes = pass_on(agent, context, pairs)
 
 
 def local_pass_here(
@@ -167,35 +198,67 @@ def local_pass_here(
     context: _contexts.DistAutogradContext,
     outputs: Sequence[torch.Tensor],
     grad_outputs: Sequence[torch.Tensor],
-) -> list[Any]:
+) -> None:
     """:func:`local_pass` for a thread that may block (the caller of a blocking ``backward``):
-    the local graph runs right here, with no hop to the loop and the pool and back; returns the
-    futures of the passes it started on other workers."""
-    return pass_on(agent, context, _gradients_at_root(context, outputs, grad_outputs))
+    the local graph, and what the passes it starts hand back, run right here, with no hop to
+    the loop and the pool and back; the loop only carries the gradients that go to other
+    workers."""
+    passes = pass_on(agent, context, _gradients_at_root(context, outputs, grad_outputs))
+    while passes:
+        handed = wait_all(passes)
+        passes = pass_on(agent, context, _handed_gradients(context, _joined(handed))) if any(handed) else []
 
 
-def pass_on(agent: Any, context: _contexts.DistAutogradContext, pairs: list[LeafGradient]) -> list[Any]:
-    """Accumulate the gradients of this worker's leaves; send those of received leaves back to
-    their senders (returns the futures of those passes)."""
-    passes = []
+def _joined(handed: Sequence[HandedBack | None]) -> HandedBack:
+    return [pair for part in handed if part for pair in part]
+
+
+def _handed_gradients(context: _contexts.DistAutogradContext, handed: HandedBack) -> list[LeafGradient]:
+    """The local pass from the sends whose gradients a peer handed back (one pass for all)."""
+    tensors = []
+    for send_id, _ in handed:
+        tensor = context.sends.get(send_id)
+        if tensor is None:
+            raise RpcError(f"context {context.id} has no send {send_id}")
+        tensors.append(tensor)
+    return _local_gradients(tensors, [grad for _, grad in handed])
+
+
+def _outgoing(context: _contexts.DistAutogradContext, pairs: list[LeafGradient]) -> Outgoing:
+    """Accumulate the gradients of this worker's leaves; returns (sender, send id, gradient)
+    of the received leaves, whose gradients go back to their senders."""
+    outgoing = []
     for leaf, grad, owned in pairs:
         origin = context.recv_of(leaf)
         if origin is None:
             context.accumulate(leaf, grad, owned)
         else:
-            src, send_id = origin
-            passes.append(
-                agent.submit(
-                    src,
-                    backward_from_send,
-                    (context.id, send_id, grad),
-                    None,
-                    0,
-                    function_name="rpcdist.autograd.backward",
-                    waited=True,  # (this thread waits for them, or hands them to the loop)
-                )
-            )
-    return passes
+            outgoing.append((origin[0], origin[1], grad))
+    return outgoing
+
+
+def _start(agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoing) -> list[Any]:
+    """Start the passes of ``outgoing`` on their senders; returns their futures (each one's
+    value: what that pass hands back to this worker, or None)."""
+    me = agent.info.id
+    return [
+        agent.submit(
+            src,
+            backward_from_send,
+            (context.id, send_id, grad, me),
+            None,
+            0,
+            function_name="rpcdist.autograd.backward",
+            waited=True,  # (this thread waits for them, or hands them to the loop)
+        )
+        for src, send_id, grad in outgoing
+    ]
+
+
+def pass_on(agent: Any, context: _contexts.DistAutogradContext, pairs: list[LeafGradient]) -> list[Any]:
+    """Accumulate the gradients of this worker's leaves; send those of received leaves back to
+    their senders (returns the futures of those passes)."""
+    return _start(agent, context, _outgoing(context, pairs))
 
 
 async def _awaitable(future: Any) -> Any:
@@ -203,14 +266,17 @@ async def _awaitable(future: Any) -> Any:
 
 
 @trust
-def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any:
+def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor, caller: int | None = None) -> Any:
     """On the worker that sent a tensor (a pool thread): continue the backward pass from it.
     The local graph runs right on this thread (no hop back to the loop between the message and
     the work); the call completes once the passes it started elsewhere did, through the
     Future it returns (``async_execution``), never a wait on this thread: a pool thread blocked
     in that wait could be the one a nested pass coming back here needs, and many concurrent
     backward passes (torch's test_async_dist_autograd: 40 threads) would hold every pool
-    thread so, a deadlock."""
+    thread so, a deadlock.
+
+    When every gradient it passes on goes to ``caller`` (the worker that called this pass),
+    they are handed back in the answer instead (see the module's docstring)."""
     agent = current_agent()
     context = _contexts.lookup(context_id)
     if context is None:
@@ -220,33 +286,66 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor) -> Any
     tensor = context.sends.get(send_id)
     if tensor is None:
         raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
-    with _contexts.entered(None):  # the passes it starts are not calls made in the context
-        passes = pass_on(agent, context, _local_gradients([tensor], [grad]))
-    done: Future[None] = Future()
-    if not passes:  # a leaf of the distributed graph: answered at once, from this thread
+    done: Future[HandedBack | None] = Future()
+    outgoing = _outgoing(context, _local_gradients([tensor], [grad]))
+    if not outgoing:  # a leaf of the distributed graph: answered at once, from this thread
         done.set_result(None)
         return done
-    # Answered when the last pass it started completes (the callee answers from that
-    # completion, on the loop: no task, no wake-up of the loop to start waiting).
-    remaining = [len(passes)]
-    lock = threading.Lock()
-
-    def one_done(finished: Any) -> None:
-        error = finished.exception()
-        with lock:
-            if remaining[0] <= 0:  # settled already (an earlier pass failed)
-                return
-            remaining[0] = 0 if error is not None else remaining[0] - 1
-            if remaining[0]:
-                return
-        if error is not None:  # the first failure is the pass's error
-            done.set_exception(error)
-        else:
-            done.set_result(None)
-
-    for p in passes:
-        p._on_done(one_done)
+    if caller is not None and all(src == caller for src, _, _ in outgoing):
+        done.set_result([(sid, g) for _, sid, g in outgoing])  # answered at once, as above
+        return done
+    _Passes(agent, context, done).start(outgoing)
     return done
 
 
 setattr(backward_from_send, ASYNC_EXECUTION_ATTR, True)  # (returns an awaitable; see above)
+
+
+class _Passes:
+    """The passes one pass started on other workers, and the work they hand back (run on the
+    pool, its own passes added before the one that handed it back counts as done): settles
+    ``done`` once all are done (answered from that completion, on the loop: no task, no
+    wake-up of the loop to start waiting), or at the first failure."""
+
+    def __init__(self, agent: Any, context: _contexts.DistAutogradContext, done: Future[Any]) -> None:
+        self.agent, self.context, self.done = agent, context, done
+        self.remaining = 0
+        self.lock = threading.Lock()
+
+    def start(self, outgoing: Outgoing) -> None:
+        with _contexts.entered(None):  # the passes it starts are not calls made in the context
+            passes = _start(self.agent, self.context, outgoing)
+        with self.lock:
+            self.remaining += len(passes)
+        for p in passes:
+            p._on_done(self._one_done)
+
+    def _one_done(self, finished: Any) -> None:
+        error = finished.exception()
+        if error is None and finished.value():
+            with self.lock:
+                self.remaining += 1  # (the handed-back work, until it has started its passes)
+            self.agent.pool.submit(functools.partial(self._run_handed, finished.value()))
+        self._settle_one(error)
+
+    def _run_handed(self, handed: HandedBack) -> None:
+        try:
+            outgoing = _outgoing(self.context, _handed_gradients(self.context, handed))
+            if outgoing:
+                self.start(outgoing)
+        except Exception as exc:  # noqa: BLE001 - the pass's error
+            self._settle_one(exc)
+            return
+        self._settle_one(None)
+
+    def _settle_one(self, error: BaseException | None) -> None:
+        with self.lock:
+            if self.remaining <= 0:  # settled already (an earlier pass failed)
+                return
+            self.remaining = 0 if error is not None else self.remaining - 1
+            if self.remaining:
+                return
+        if error is not None:  # the first failure is the pass's error
+            self.done.set_exception(error)
+        else:
+            self.done.set_result(None)
