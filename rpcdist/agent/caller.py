@@ -39,6 +39,7 @@ from rpcdist.errors import (
 )
 from rpcdist.futures import Future
 from rpcdist.transport import Link, LinkHandler, frames, shm
+from rpcdist.transport.writer import DIRECT_MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +265,17 @@ class Caller(LinkHandler):
                     WorkerUnavailableError(f"notice {function_name} to {dest.name} was not sent: link closed")
                 )
 
+        def encode() -> Any:
+            return frames.encode_message(
+                next(self._call_ids),
+                frames.NOTIFY,
+                payload,
+                buffers,  # (in the message itself: nothing comes back to free a slot)
+                chunk_bytes=agent.options.chunk_bytes,
+                function=function_name,
+                caller_rank=agent.info.id,
+            )
+
         def start() -> None:
             if agent.closing:
                 if sent is not None:
@@ -276,24 +288,32 @@ class Caller(LinkHandler):
                 if sent is not None:
                     sent.set_exception(WorkerUnavailableError(f"notice {function_name}, {dest.name}: {exc}"))
                 return
-            link.send(
-                frames.encode_message(
-                    next(self._call_ids),
-                    frames.NOTIFY,
-                    payload,
-                    buffers,  # (in the message itself: nothing comes back to free a slot)
-                    chunk_bytes=agent.options.chunk_bytes,
-                    function=function_name,
-                    caller_rank=agent.info.id,
-                ),
-                None if sent is None else written,
-            )
+            link.send(encode(), None if sent is None else written)
 
-        if threading.get_ident() == agent.loop_thread_id and not agent.inbox.pending:
-            start()
-        else:  # through the inbox: after the calls this thread submitted before it
-            agent.inbox.post(start)
+        if threading.get_ident() == agent.loop_thread_id:
+            if agent.inbox.pending:  # after the calls other threads submitted before it
+                agent.inbox.post(start)
+            else:
+                start()
+        elif carried + len(payload) > DIRECT_MAX_BYTES or not self._notify_from_thread(dest.id, encode):
+            agent.inbox.post(start)  # after the calls this thread submitted before it
+        elif sent is not None:
+            sent.set_result(None)
         return sent
+
+    def _notify_from_thread(self, rank: int, encode: Callable[[], Any]) -> bool:
+        """Write a notice from this (non-loop) thread if its link is open and nothing is queued
+        on it or waits for the loop (as :meth:`_send_from_thread`); False: nothing was done.
+        Else the loop would be woken for it, and a call this thread makes next (the next
+        step's ``rpc_sync`` after a context's release) would find the inbox busy and have to
+        go through the loop too."""
+        agent = self._agent
+        if agent.closing or agent.inbox.pending:
+            return False
+        link = agent.transport.existing_link(rank)
+        if link is None or link.writer.direct is None:
+            return False
+        return link.writer.write_now(list(encode()))
 
     def _start(self, call: OutgoingCall) -> None:
         agent = self._agent
