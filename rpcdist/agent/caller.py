@@ -53,6 +53,21 @@ NOTICE_MAX_BUFFER_BYTES = 1 << 20
 DIRECT_MIN_TIMEOUT = 1.0
 
 
+class QueuedNotice:
+    """A notice behind calls that wait for a place on their peer (``Caller.waiting``): sent
+    when its turn comes, so that it never overtakes them (an RRef's deletion must reach its
+    owner after the call that creates it)."""
+
+    __slots__ = ("encode", "written")
+
+    def __init__(self, encode: Callable[[], Any], written: Callable[[bool], None] | None) -> None:
+        self.encode, self.written = encode, written
+
+    def dropped(self) -> None:
+        if self.written is not None:
+            self.written(False)
+
+
 class OutgoingCall:
     """One call in flight: what to send, and the Future that waits for its reply."""
 
@@ -111,7 +126,7 @@ class Caller(LinkHandler):
         # Backpressure: calls on the wire per peer rank, and the calls waiting for a free place
         # (in order) once a peer has max_inflight_calls_per_peer of them.
         self.in_flight: dict[int, int] = {}
-        self.waiting: dict[int, collections.deque[OutgoingCall]] = {}
+        self.waiting: dict[int, collections.deque[OutgoingCall | QueuedNotice]] = {}
         # Guards in_flight and the sweep's state against threads sending calls themselves.
         self._lock = threading.Lock()
         self._sweeping = False  # the sweep of deadlines runs (or is about to)
@@ -281,6 +296,10 @@ class Caller(LinkHandler):
                 if sent is not None:
                     sent.set_exception(RpcError(f"{agent.info.name} shut down before notice {function_name}"))
                 return
+            queue = self.waiting.get(dest.id)
+            if queue:  # calls wait for a place on that peer: after them, in order
+                queue.append(QueuedNotice(encode, None if sent is None else written))
+                return
             try:
                 link = agent.transport.link(dest.id)
             except Exception as exc:  # noqa: BLE001 - a gone peer needs no notice
@@ -308,7 +327,7 @@ class Caller(LinkHandler):
         step's ``rpc_sync`` after a context's release) would find the inbox busy and have to
         go through the loop too."""
         agent = self._agent
-        if agent.closing or agent.inbox.pending:
+        if agent.closing or agent.inbox.pending or self.waiting.get(rank):
             return False
         link = agent.transport.existing_link(rank)
         if link is None or link.writer.direct is None:
@@ -379,6 +398,9 @@ class Caller(LinkHandler):
         limit = self._agent.options.max_inflight_calls_per_peer
         while queue and self.in_flight.get(rank, 0) < limit:
             queued = queue.popleft()
+            if type(queued) is QueuedNotice:
+                self._send_queued_notice(rank, queued)
+                continue
             if self.pending.get(queued.call_id) is not queued:
                 continue  # timed out or failed while waiting
             try:
@@ -390,9 +412,20 @@ class Caller(LinkHandler):
                 self._abandon(queued, WorkerUnavailableError(f"cannot reach {queued.dest.name}: {exc}"))
                 continue
             self._send(link, queued)
+        while queue and type(queue[0]) is QueuedNotice:  # (no place needed: not calls)
+            self._send_queued_notice(rank, queue.popleft())
         if not queue:
             self.waiting.pop(rank, None)
         self._idle.wake_if_empty()
+
+    def _send_queued_notice(self, rank: int, notice: QueuedNotice) -> None:
+        try:
+            link = self._agent.transport.link(rank)
+        except Exception as exc:  # noqa: BLE001 - a gone peer needs no notice
+            log.debug("queued notice to rank %s dropped: %s", rank, exc)
+            notice.dropped()
+            return
+        link.send(notice.encode(), notice.written)
 
     async def wait_idle(self) -> None:
         """Return once no call is pending (loop only)."""
@@ -504,7 +537,9 @@ class Caller(LinkHandler):
         watches the peer (see ``Agent.on_peer_lost``) hears of it."""
         rank = link.peer.rank
         self._agent.peer_lost(rank, reason)
-        self.waiting.pop(rank, None)  # its waiting calls fail below, never sent
+        for queued in self.waiting.pop(rank, ()):  # its waiting calls fail below, never sent
+            if type(queued) is QueuedNotice:
+                queued.dropped()
         for call_id, call in list(self.pending.items()):
             if call.dest.id == rank:
                 run_undo(call.undo)  # the receiver is gone with them

@@ -263,13 +263,10 @@ class RRefContext:
         if owner is None:
             return
         try:
-            self.agent.submit(
-                owner,
-                _user_deleted,
-                (rref_id, self.agent.info.id),
-                None,
-                0,
-                function_name="rpcdist.rref.deleted",
+            # A notice: nothing waits for the owner's answer, so none comes back (a call cost
+            # the owner an answer and this worker a wake-up to read it, for every RRef dropped).
+            self.agent.notify(
+                owner, _user_deleted, (rref_id, self.agent.info.id), function_name="rpcdist.rref.deleted"
             )
         except Exception as exc:  # shutting down: the owner frees it at its own shutdown
             log.debug("could not tell %s that %s was deleted: %s", owner.name, rref_id, exc)
@@ -737,15 +734,21 @@ def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
 @trust
 @inline
 def _child_accepted(token: int) -> None:
-    """On a fork's sender: the owner knows the receiver; our own hold may go."""
-    _context().release_child(token)
+    """On a fork's sender: the owner knows the receiver; our own hold may go. (A notice that
+    arrives once this worker has shut its RRefs down has nothing left to release.)"""
+    context = _current
+    if context is not None:
+        context.release_child(token)
 
 
 @trust
 @inline
 def _user_deleted(rref_id: RRefId, user: int) -> None:
-    """On the owner: ``user`` no longer holds an RRef to ``rref_id``."""
-    context = _context()
+    """On the owner: ``user`` no longer holds an RRef to ``rref_id``. (A notice that arrives
+    once this worker has shut its RRefs down finds what it owned freed already.)"""
+    context = _current
+    if context is None:
+        return
     entry = context.owned.get(rref_id)
     if entry is not None:
         entry.holders.discard(user)
