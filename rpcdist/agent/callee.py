@@ -415,12 +415,12 @@ class Callee:
         """Runs on a pool thread."""
         inbox = self.agent.inbox
         if job.cancelled or (deadline is not None and time.monotonic() > deadline):
-            inbox.post(lambda: self._skip(session, call_id))
+            inbox.post(lambda: self._skip(session, call_id), sends=False)
             return
         try:
             result = func(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001
-            inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
+            inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e), sends=False)
             return
         if is_async_execution(func):
             if not isinstance(result, Future):  # an awaitable: awaited by a task on the loop
@@ -433,16 +433,16 @@ class Callee:
         try:
             entries = list(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001
-            inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e))
+            inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e), sends=False)
             return
         # Answered from this thread, the loop not woken, when it is the peer's only call running
         # here; otherwise through the loop, whose writer packs many answers into one write.
         if len(session.running) == 1 and session.writer.write_now(entries):
             session.untrack(call_id)
             if session.arrivals:  # metrics are on: counted on the loop
-                inbox.post(lambda: self._served(session, call_id, function, True))
+                inbox.post(lambda: self._served(session, call_id, function, True), sends=False)
             return
-        inbox.post(lambda: self._finish(session, call_id, function, iter(entries)))
+        inbox.post(lambda: self._finish(session, call_id, function, iter(entries)), sends=False)
 
     def _skip(self, session: InboundSession, call_id: int) -> None:
         session.untrack(call_id)
@@ -485,7 +485,7 @@ class Callee:
                 if threading.get_ident() == agent.loop_thread_id:
                     within.run(respond)
                 else:
-                    agent.inbox.post(lambda: within.run(respond))
+                    agent.inbox.post(lambda: within.run(respond), sends=False)
             except Exception:  # noqa: BLE001 - never into whoever completed the future
                 log.exception("%s: answering the call to %s failed", agent.info.name, function)
 

@@ -172,7 +172,7 @@ class Caller(LinkHandler):
                 agent.inbox.post(lambda: self._start(call))
             else:
                 self._start(call)
-        elif not (waited and self._send_from_thread(call)):
+        elif not self._send_from_thread(call):
             agent.inbox.post(lambda: self._start(call))
         return future
 
@@ -184,7 +184,7 @@ class Caller(LinkHandler):
         timeout = call.timeout
         if (
             agent.closing
-            or agent.inbox.pending
+            or agent.inbox.sending
             or call.shared
             or metrics.current is not None
             or 0 < timeout < DIRECT_MIN_TIMEOUT
@@ -327,7 +327,7 @@ class Caller(LinkHandler):
         step's ``rpc_sync`` after a context's release) would find the inbox busy and have to
         go through the loop too."""
         agent = self._agent
-        if agent.closing or agent.inbox.pending or self.waiting.get(rank):
+        if agent.closing or agent.inbox.sending or self.waiting.get(rank):
             return False
         link = agent.transport.existing_link(rank)
         if link is None or link.writer.direct is None:

@@ -286,12 +286,13 @@ class Agent:
             except Exception:  # a listener's bug must not keep the others from hearing it
                 log.exception("peer-lost listener %r failed", listener)
 
-    def on_loop(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the loop, after anything posted before it (from any thread)."""
+    def on_loop(self, fn: Callable[[], Any], sends: bool = True) -> None:
+        """Run ``fn`` on the loop, after anything posted before it (from any thread).
+        ``sends=False``: it sends no call or notice (see ``LoopInbox.post``)."""
         if threading.get_ident() == self.loop_thread_id and not self.inbox.pending:
             fn()
         else:
-            self.inbox.post(fn)
+            self.inbox.post(fn, sends)
 
     def pickle(
         self, obj: Any, what: str, peer: int, state: Any = None, *, outgoing: bool = False

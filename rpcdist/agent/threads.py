@@ -27,11 +27,17 @@ class LoopInbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._items: collections.deque[Callable[[], Any]] = collections.deque()
+        self._items: collections.deque[tuple[Callable[[], Any], bool]] = collections.deque()
+        self._sending: collections.deque[None] = collections.deque()  # one mark per item that sends
         self._scheduled = False
 
-    def post(self, item: Callable[[], Any]) -> None:
-        self._items.append(item)
+    def post(self, item: Callable[[], Any], sends: bool = True) -> None:
+        """Run ``item`` on the loop after everything posted before it. ``sends=False``: it
+        sends no call or notice on this worker's own links (bookkeeping, an answer), so a
+        thread may write its own call meanwhile (see :attr:`sending`)."""
+        if sends:
+            self._sending.append(None)
+        self._items.append((item, sends))
         if not self._scheduled:
             self._scheduled = True
             try:
@@ -45,19 +51,27 @@ class LoopInbox:
         """Whether posted callables are waiting to run."""
         return bool(self._items)
 
+    @property
+    def sending(self) -> bool:
+        """Whether posted callables that may send calls or notices are waiting to run: a thread
+        that writes its own call checks it, so as not to overtake a call being started."""
+        return bool(self._sending)
+
     def _drain(self) -> None:
         self._scheduled = False
         items = self._items
         while items:
-            # Left in the queue while it runs: ``pending`` stays true until it has (a thread
-            # that writes its own call checks it, so as not to overtake a call being started).
-            item = items[0]
+            # Left in the queue while it runs: ``pending`` and ``sending`` stay true until it
+            # has (so that a call it starts is on its way before a thread may write its own).
+            item, sends = items[0]
             try:
                 item()
             except Exception:
                 log.exception("callback posted to the rpcdist loop raised")
             finally:
                 items.popleft()
+                if sends:
+                    self._sending.popleft()
 
 
 class EmptyWaiter:

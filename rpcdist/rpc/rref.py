@@ -225,7 +225,7 @@ class RRefContext:
             # under it (and a later local_value() would wait for a value that never comes).
             self._add_local_ref(rref_id)
         else:
-            self._on_loop(lambda: self._add_local_ref(rref_id))
+            self._on_loop(lambda: self._add_local_ref(rref_id), sends=False)
         weakref.finalize(rref, self._owner_finalized, rref_id)
 
     def _add_local_ref(self, rref_id: RRefId) -> None:
@@ -273,13 +273,14 @@ class RRefContext:
 
     def _owner_finalized(self, rref_id: RRefId) -> None:
         if not self._closed:
-            self._on_loop(lambda: self.owner_ref_gone(rref_id))
+            self._on_loop(lambda: self.owner_ref_gone(rref_id), sends=False)
 
-    def _on_loop(self, fn: Callable[[], Any]) -> None:
+    def _on_loop(self, fn: Callable[[], Any], sends: bool = True) -> None:
         """Run ``fn`` on the loop, after anything posted before it (order matters: an owner
-        RRef's registration must precede its finalizer's release)."""
+        RRef's registration must precede its finalizer's release). ``sends=False``: ``fn``
+        sends no call or notice (see ``LoopInbox.post``)."""
         try:
-            self.agent.on_loop(fn)
+            self.agent.on_loop(fn, sends)
         except RuntimeError:  # loop closed, or the agent is gone
             pass
 
@@ -342,7 +343,9 @@ class RRef(Generic[T]):
             entry = context.entry(rref_id)
             entry.value.set_result(value)
 
-        context._on_loop(install)
+        # (bookkeeping only: a call this thread makes next, passing this RRef, may be written
+        # at once; a fetch that overtakes it finds the entry and waits for its value)
+        context._on_loop(install, sends=False)
         context.track_owner_ref(self)
 
     @classmethod
