@@ -142,13 +142,12 @@ class Caller(LinkHandler):
         timeout: float,
         *,
         function_name: str | None = None,
-        waited: bool = False,
     ) -> Future[Any]:
         """Send a call from any thread; returns its Future. Raises at once on bad input.
 
-        ``waited``: the calling thread waits for this call next (rpc_sync), so a small call to
-        an idle link may be written right here; calls that are not (a burst of rpc_async) go
-        through the loop, whose writer packs many into one write."""
+        From a thread other than the loop, a small call to an idle peer (no call of this
+        worker's in flight to it) is written right here, without waking the loop; the rest of
+        a burst goes through the loop, whose writer packs many calls into one write."""
         agent = self._agent
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")

@@ -551,7 +551,7 @@ class _Proxy:
                 _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
             sync = mode == "sync"
-            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout, waited=sync)
+            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout)
             return future.wait() if sync else future
 
         call.__name__ = method
