@@ -142,12 +142,15 @@ class Caller(LinkHandler):
         timeout: float,
         *,
         function_name: str | None = None,
+        waited: bool = False,
     ) -> Future[Any]:
         """Send a call from any thread; returns its Future. Raises at once on bad input.
 
-        From a thread other than the loop, a small call to an idle peer (no call of this
-        worker's in flight to it) is written right here, without waking the loop; the rest of
-        a burst goes through the loop, whose writer packs many calls into one write."""
+        ``waited``: the calling thread waits for this call next (rpc_sync, to_here(), a
+        backward pass), or such calls rarely come in bursts (remote()): a small one to an idle
+        peer may be written right here, without waking the loop. Other calls (rpc_async,
+        often many at once) go through the loop, whose writer packs many into one write: a
+        burst whose first call went alone costs both sides an extra round of wake-ups."""
         agent = self._agent
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
@@ -171,7 +174,7 @@ class Caller(LinkHandler):
                 agent.inbox.post(lambda: self._start(call))
             else:
                 self._start(call)
-        elif not self._send_from_thread(call):
+        elif not (waited and self._send_from_thread(call)):
             agent.inbox.post(lambda: self._start(call))
         return future
 

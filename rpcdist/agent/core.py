@@ -227,13 +227,14 @@ class Agent:
         timeout: float,
         *,
         function_name: str | None = None,
+        waited: bool = False,
     ) -> Future[Any]:
         """Call ``func(*args, **kwargs)`` on ``to`` from any thread; returns its Future.
 
         ``timeout`` in seconds (negative: the default ``rpc_timeout``, 0: none). Raises at
         once on bad input (unknown worker, unpicklable arguments, too large).
         """
-        return self.caller.submit(to, func, args, kwargs, timeout, function_name=function_name)
+        return self.caller.submit(to, func, args, kwargs, timeout, function_name=function_name, waited=waited)
 
     def notify(
         self,

@@ -249,6 +249,7 @@ def _start(agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoin
             None,
             0,
             function_name="rpcdist.autograd.backward",
+            waited=True,  # (this thread waits for them, or hands them to the loop)
         )
         for src, send_id, grad in outgoing
     ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rpcdist.agent import current_agent
 from rpcdist.autograd import get_gradients
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future, wait_all
@@ -118,13 +119,22 @@ class DistributedOptimizer:
         """An RRef to each owner's local optimizer."""
         return [rref for rref, _ in self._created()]
 
-    def _start(self, made: list[tuple[RRef[_LocalOptimizer], int]], context_id: int) -> list[Future[Any]]:
+    def _start(
+        self, made: list[tuple[RRef[_LocalOptimizer], int]], context_id: int, waited: bool = False
+    ) -> list[Future[Any]]:
+        if waited and not torch.autograd._profiler_enabled():
+            # This thread waits for them next: each may be written right here (Agent.submit).
+            agent = current_agent()
+            return [
+                agent.submit(rref.owner(), _step, (key, context_id), None, -1.0, waited=True)
+                for rref, key in made
+            ]
         return [rpc_async(rref.owner(), _step, args=(key, context_id)) for rref, key in made]
 
     def step(self, context_id: int) -> None:
         """Update every owner's parameters with ``context_id``'s gradients, concurrently;
         raises the first owner's error."""
-        wait_all(self._start(self._created(), context_id))
+        wait_all(self._start(self._created(), context_id, waited=True))
 
     async def step_async(self, context_id: int) -> None:
         """Awaitable form of :meth:`step`."""

@@ -424,7 +424,7 @@ def _call(
 ) -> Future[Any]:
     agent = current_agent()
     if not torch.autograd._profiler_enabled():
-        return agent.submit(to, func, args, kwargs, timeout)
+        return agent.submit(to, func, args, kwargs, timeout, waited=mode == "sync")
     return profiling.profiled_call(agent, mode, to, func, args, kwargs, timeout)
 
 

@@ -391,6 +391,10 @@ class RRef(Generic[T]):
     def to_here_async(self, timeout: float = -1.0) -> Future[T]:
         """A Future of the value, copied from the owner (on the owner: the value itself);
         awaitable, or ``wait()`` on it."""
+        return self._fetch_value(timeout, waited=False)
+
+    def _fetch_value(self, timeout: float, waited: bool) -> Future[T]:
+        """:meth:`to_here_async`; ``waited``: the calling thread waits for it next."""
         if self._released and _current is None:  # used after shutdown (torch's wording)
             raise RpcError(
                 f"User RRef owned by {self._owner.name} was released (at shutdown): "
@@ -404,7 +408,7 @@ class RRef(Generic[T]):
             return failed
         if self._owner.id != agent.info.id:
             fetch = agent.submit(
-                self._owner, _fetch, (self._id,), None, timeout, function_name="RRef.to_here"
+                self._owner, _fetch, (self._id,), None, timeout, function_name="RRef.to_here", waited=waited
             )
             if created is not None and not created.done():
                 # If the creating call fails before the owner runs it (the function cannot be
@@ -450,7 +454,7 @@ class RRef(Generic[T]):
 
     def to_here(self, timeout: float = -1.0) -> T:
         """The value, copied from the owner; raises the creating call's error if it failed."""
-        return self.to_here_async(timeout).wait()
+        return self._fetch_value(timeout, waited=True).wait()
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """torch's ``RRef._get_type``: the type of the value, asked of the owner once and then
@@ -551,7 +555,7 @@ class _Proxy:
                 _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
             sync = mode == "sync"
-            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout)
+            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout, waited=sync)
             return future.wait() if sync else future
 
         call.__name__ = method
@@ -787,7 +791,9 @@ def create_remote(
         rref = RRef._make(dest, rref_id)
         context.users[rref_id] = weakref.ref(rref)
     weakref.finalize(rref, context._user_finalized, rref_id)
-    _await_confirmation(rref, agent.submit(dest, _create, call_args, None, timeout, function_name=name))
+    # (waited: remote() calls seldom come in bursts, and a pipeline's next call depends on it)
+    created = agent.submit(dest, _create, call_args, None, timeout, function_name=name, waited=True)
+    _await_confirmation(rref, created)
     return rref
 
 
