@@ -58,10 +58,10 @@ class QueuedNotice:
     when its turn comes, so that it never overtakes them (an RRef's deletion must reach its
     owner after the call that creates it)."""
 
-    __slots__ = ("encode", "written")
+    __slots__ = ("send", "written")
 
-    def __init__(self, encode: Callable[[], Any], written: Callable[[bool], None] | None) -> None:
-        self.encode, self.written = encode, written
+    def __init__(self, send: Callable[[], None], written: Callable[[bool], None] | None) -> None:
+        self.send, self.written = send, written  # send(): to the link, as any notice on the loop
 
     def dropped(self) -> None:
         if self.written is not None:
@@ -184,18 +184,12 @@ class Caller(LinkHandler):
         agent = self._agent
         rank = call.dest.id
         timeout = call.timeout
-        if (
-            agent.closing
-            or agent.inbox.sending
-            or call.shared
-            or metrics.current is not None
-            or 0 < timeout < DIRECT_MIN_TIMEOUT
-        ):
+        if call.shared or metrics.current is not None or 0 < timeout < DIRECT_MIN_TIMEOUT:
             return False
-        if self.in_flight.get(rank, 0) or self.waiting.get(rank):
+        if self.in_flight.get(rank, 0):
             return False
-        link = agent.transport.existing_link(rank)
-        if link is None or link.writer.direct is None:
+        link = self._direct_link(rank)
+        if link is None:
             return False
         call.call_id = call_id = next(self._call_ids)
         entries = list(self._encode(call))
@@ -293,15 +287,7 @@ class Caller(LinkHandler):
                 caller_rank=agent.info.id,
             )
 
-        def start() -> None:
-            if agent.closing:
-                if sent is not None:
-                    sent.set_exception(RpcError(f"{agent.info.name} shut down before notice {function_name}"))
-                return
-            queue = self.waiting.get(dest.id)
-            if queue:  # calls wait for a place on that peer: after them, in order
-                queue.append(QueuedNotice(encode, None if sent is None else written))
-                return
+        def send() -> None:  # on the loop
             try:
                 link = agent.transport.link(dest.id)
             except Exception as exc:  # noqa: BLE001 - a gone peer needs no notice
@@ -310,6 +296,17 @@ class Caller(LinkHandler):
                     sent.set_exception(WorkerUnavailableError(f"notice {function_name}, {dest.name}: {exc}"))
                 return
             link.send(encode(), None if sent is None else written)
+
+        def start() -> None:
+            if agent.closing:
+                if sent is not None:
+                    sent.set_exception(RpcError(f"{agent.info.name} shut down before notice {function_name}"))
+                return
+            queue = self.waiting.get(dest.id)
+            if queue:  # calls wait for a place on that peer: after them, in order
+                queue.append(QueuedNotice(send, None if sent is None else written))
+                return
+            send()
 
         if threading.get_ident() == agent.loop_thread_id:
             if agent.inbox.pending:  # after the calls other threads submitted before it
@@ -328,13 +325,18 @@ class Caller(LinkHandler):
         Else the loop would be woken for it, and a call this thread makes next (the next
         step's ``rpc_sync`` after a context's release) would find the inbox busy and have to
         go through the loop too."""
+        link = self._direct_link(rank)
+        return link is not None and link.writer.write_now(list(encode()))
+
+    def _direct_link(self, rank: int) -> Link | None:
+        """The open link to ``rank`` if a (non-loop) thread may write to it now: nothing this
+        process posted that sends, and no call waiting for a place on that peer, could be
+        overtaken; else None."""
         agent = self._agent
         if agent.closing or agent.inbox.sending or self.waiting.get(rank):
-            return False
+            return None
         link = agent.transport.existing_link(rank)
-        if link is None or link.writer.direct is None:
-            return False
-        return link.writer.write_now(list(encode()))
+        return link if link is not None and link.writer.direct is not None else None
 
     def _start(self, call: OutgoingCall) -> None:
         agent = self._agent
@@ -401,7 +403,7 @@ class Caller(LinkHandler):
         while queue and self.in_flight.get(rank, 0) < limit:
             queued = queue.popleft()
             if type(queued) is QueuedNotice:
-                self._send_queued_notice(rank, queued)
+                queued.send()
                 continue
             if self.pending.get(queued.call_id) is not queued:
                 continue  # timed out or failed while waiting
@@ -415,19 +417,10 @@ class Caller(LinkHandler):
                 continue
             self._send(link, queued)
         while queue and type(queue[0]) is QueuedNotice:  # (no place needed: not calls)
-            self._send_queued_notice(rank, queue.popleft())
+            queue.popleft().send()
         if not queue:
             self.waiting.pop(rank, None)
         self._idle.wake_if_empty()
-
-    def _send_queued_notice(self, rank: int, notice: QueuedNotice) -> None:
-        try:
-            link = self._agent.transport.link(rank)
-        except Exception as exc:  # noqa: BLE001 - a gone peer needs no notice
-            log.debug("queued notice to rank %s dropped: %s", rank, exc)
-            notice.dropped()
-            return
-        link.send(notice.encode(), notice.written)
 
     async def wait_idle(self) -> None:
         """Return once no call is pending (loop only)."""

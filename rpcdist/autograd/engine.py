@@ -266,7 +266,7 @@ async def _awaitable(future: Any) -> Any:
 
 
 @trust
-def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor, caller: int | None = None) -> Any:
+def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor, caller: int) -> Any:
     """On the worker that sent a tensor (a pool thread): continue the backward pass from it.
     The local graph runs right on this thread (no hop back to the loop between the message and
     the work); the call completes once the passes it started elsewhere did, through the
@@ -291,7 +291,7 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor, caller
     if not outgoing:  # a leaf of the distributed graph: answered at once, from this thread
         done.set_result(None)
         return done
-    if caller is not None and all(src == caller for src, _, _ in outgoing):
+    if all(src == caller for src, _, _ in outgoing):
         done.set_result([(sid, g) for _, sid, g in outgoing])  # answered at once, as above
         return done
     _Passes(agent, context, done).start(outgoing)
