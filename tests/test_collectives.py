@@ -300,14 +300,20 @@ from rpcdist.transport.writer import FrameWriter
 
 
 def slow_link(seconds):
-    # Every frame this process writes from now on leaves ``seconds`` late.
+    # Every frame this process writes from now on leaves ``seconds`` late: all go through the
+    # writer task (none at once on the loop), which waits before each.
     original = FrameWriter._write_batch
 
     async def delayed(self, messages):
         await asyncio.sleep(seconds)
         return await original(self, messages)
 
+    def to_the_task(self):
+        self._flush_due = False
+        self._wake.set()
+
     FrameWriter._write_batch = delayed
+    FrameWriter._flush = to_the_task
 
 
 def launch(world):

@@ -260,3 +260,63 @@ def test_writer_reports_a_message_written_only_once_its_last_frame_is() -> None:
         assert outcome == [False], "reported twice"
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(60)
+def test_a_loop_turns_messages_go_out_at_once_in_one_write() -> None:
+    """On a carrier that writes at once on the loop (a socket), what the loop queues during one
+    turn leaves right after it, in one write, without the writer task; what the carrier cannot
+    take at once (paused) and what does not fit one frame goes through the task, in order."""
+    from rpcdist.transport.writer import FrameWriter
+
+    async def run() -> None:
+        writes: list[tuple[str, bytes]] = []
+        accepting = True
+
+        async def task_write(frame: list[bytes | memoryview]) -> None:
+            writes.append(("task", b"".join(bytes(p) for p in frame)))
+
+        def loop_write(frame: list[bytes | memoryview]) -> bool:
+            if not accepting:
+                return False
+            writes.append(("loop", b"".join(bytes(p) for p in frame)))
+            return True
+
+        writer = FrameWriter(task_write, "test")
+        writer.loop_write = loop_write
+        await asyncio.sleep(0)  # the writer task is waiting for work
+        written: list[bool] = []
+        for name in (b"a", b"b", b"c"):
+            writer.send(iter([[name * 10]]), written.append)
+        await asyncio.sleep(0)
+        assert writes == [("loop", b"a" * 10 + b"b" * 10 + b"c" * 10)]
+        assert written == [True, True, True]
+
+        # Paused: the frame taken goes out through the task first, then what followed it.
+        writes.clear()
+        accepting = False
+        writer.send(iter([[b"d" * 10]]), written.append)
+        await asyncio.sleep(0)
+        writer.send(iter([[b"e" * 10]]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert [w for w in writes if w[0] == "loop"] == []
+        assert b"".join(data for _, data in writes) == b"d" * 10 + b"e" * 10
+        assert written[-1] is True
+
+        # More than a frame: the first at once, the rest through the task.
+        writes.clear()
+        accepting = True
+        big = b"x" * (MAX_FRAME_BYTES + 100)
+        writer.send(iter([[big[:MAX_FRAME_BYTES]], [big[MAX_FRAME_BYTES:]]]))
+        writer.send(iter([[b"f"]]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert writes[0] == ("loop", big[:MAX_FRAME_BYTES])
+        rest = writes[1:]
+        assert rest and all(kind == "task" for kind, _ in rest)
+        # (the small message may overtake the big one's last chunk: a big one yields its turn)
+        assert sorted(b"".join(data for _, data in rest)) == sorted(big[MAX_FRAME_BYTES:] + b"f")
+        await writer.close()
+
+    asyncio.run(run())

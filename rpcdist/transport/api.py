@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rpcdist.transport.writer import DirectWrite, FrameWriter
+from rpcdist.transport.writer import DirectWrite, FrameWriter, LoopWrite
 
 __all__ = ["Accept", "Entries", "Link", "LinkHandler", "PeerAddress", "Session", "SessionFactory", "Write"]
 
@@ -78,10 +78,11 @@ class Session(Protocol):
 SessionFactory = Callable[[FrameWriter], Session]
 """Makes the user's session of a new incoming connection, given the writer of its replies."""
 
-Accept = Callable[[Write, DirectWrite | None], Session]
+Accept = Callable[[Write, DirectWrite | None, LoopWrite | None], Session]
 """What a carrier's server calls for each incoming connection, with the function that writes
-to it and the one that writes from any thread if the carrier has one (the transport's own
-session, which answers heartbeats and passes the rest on)."""
+to it, and if the carrier has them the one that writes from any thread and the one that
+writes at once on the loop (the transport's own session, which answers heartbeats and passes
+the rest on)."""
 
 
 class Link(abc.ABC):

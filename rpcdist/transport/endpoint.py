@@ -35,7 +35,7 @@ from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, Sessi
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, SERVICE, GrpcLink, exchange_handler
 from rpcdist.transport.tcp_link import TcpLink, serve_tcp
 from rpcdist.transport.unix_link import UnixLink, serve_unix
-from rpcdist.transport.writer import DirectWrite, FrameWriter
+from rpcdist.transport.writer import DirectWrite, FrameWriter, LoopWrite
 from rpcdist.v1 import agent_pb2  # noqa: F401 - registers the Agent service's descriptor for reflection
 
 ServiceSetup = tuple[str, Callable[[grpc.aio.Server], None]]
@@ -161,10 +161,12 @@ class Transport(LinkHandler):
             )
         return self.port
 
-    def _accept(self, write: Write, direct: DirectWrite | None = None) -> Session:
+    def _accept(
+        self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
+    ) -> Session:
         """The session of an incoming connection: heartbeats answered here, the rest to the
         user's session, both through one writer (so they never write at once)."""
-        return _AnsweringSession(self._make_session, write, direct)
+        return _AnsweringSession(self._make_session, write, direct, loop_write)
 
     async def _beat(self) -> None:
         """Send heartbeats on quiet links; give up on peers that stay silent too long."""
@@ -400,8 +402,15 @@ class _AnsweringSession:
 
     __slots__ = ("session", "writer")
 
-    def __init__(self, make_session: SessionFactory, write: Write, direct: DirectWrite | None) -> None:
+    def __init__(
+        self,
+        make_session: SessionFactory,
+        write: Write,
+        direct: DirectWrite | None,
+        loop_write: LoopWrite | None,
+    ) -> None:
         self.writer = FrameWriter(write, "inbound", direct)
+        self.writer.loop_write = loop_write
         self.session = make_session(self.writer)
 
     def on_frame(self, raw: bytes) -> None:

@@ -119,7 +119,7 @@ async def serve_grpc_stream(
     context: grpc.aio.ServicerContext,
 ) -> None:
     """Drive one incoming Exchange stream through the session ``accept`` makes for it."""
-    session = accept(joined(context.write), None)
+    session = accept(joined(context.write), None, None)
     try:
         async for raw in request_iterator:
             try:

@@ -272,6 +272,20 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise OSError("connection closed")
+        self._put(transport, pieces)
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+
+    def write_on_loop(self, pieces: list[bytes | memoryview]) -> bool:
+        """Write one frame now (loop only), if the transport takes it without waiting: open
+        and not paused. False: nothing was written (the writer task then waits its turn)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or not self._can_write.is_set():
+            return False
+        self._put(transport, pieces)
+        return True
+
+    def _put(self, transport: asyncio.Transport, pieces: list[bytes | memoryview]) -> None:
         if self._remainder is not None:  # a direct write's tail goes first
             self._flush_remainder()
         size = 0
@@ -281,8 +295,6 @@ class _FramedProtocol(asyncio.BufferedProtocol):
             transport.write(b"".join([_LENGTH.pack(size), *pieces]))
         else:
             transport.writelines([_LENGTH.pack(size), *pieces])
-        if not self._can_write.is_set():
-            await self._can_write.wait()
 
 
 class UnixLink(Link):
@@ -311,6 +323,7 @@ class UnixLink(Link):
         _, protocol = await self._open(protocol_factory, address)
         self._protocol = protocol
         self.writer.direct = protocol.try_write  # (refuses until the handshake is done)
+        self.writer.loop_write = protocol.write_on_loop
         return protocol
 
     async def _open(self, factory: Callable[[], _FramedProtocol], path: str) -> tuple[Any, _FramedProtocol]:
@@ -395,7 +408,8 @@ def connection_factory(accept: Accept, security: Security) -> Callable[[], _Fram
         def on_frame(raw: bytes | memoryview) -> None:
             session = holder.get("session")
             if session is None:  # the first frame after an accepted hello
-                session = holder["session"] = accept(protocol.write, protocol.try_write)
+                session = accept(protocol.write, protocol.try_write, protocol.write_on_loop)
+                holder["session"] = session
             session.on_frame(raw)
 
         def on_eof() -> None:

@@ -34,6 +34,10 @@ DirectWrite = Callable[[list[bytes | memoryview], int], bool]
 """Writes one frame (its pieces and their total size) from any thread, if the carrier can
 right now; False: nothing was written (see ``_FramedProtocol.try_write``)."""
 
+LoopWrite = Callable[[list[bytes | memoryview]], bool]
+"""Writes one frame at once on the loop, if the carrier takes it without waiting (see
+``_FramedProtocol.write_on_loop``); False: nothing was written."""
+
 DIRECT_MAX_BYTES = 64 << 10
 """Messages up to this size may be written by the thread that made them (larger ones go
 through the loop, which streams them chunk by chunk)."""
@@ -52,6 +56,14 @@ class FrameWriter:
         self._write = write
         # Set (by a socket carrier) once frames may be written from any thread.
         self.direct = direct
+        # Set (by a socket carrier) once frames may be written at once on the loop: what is
+        # queued during one turn of the loop goes out right after it, in one write, instead
+        # of waking the writer task (a task step per frame is a good share of a small call).
+        self.loop_write: LoopWrite | None = None
+        self._flush_due = False
+        # A frame taken from the queue that the carrier did not take at once: the task writes
+        # it before anything else.
+        self._held: tuple[list[bytes | memoryview], int, list[int]] | None = None
         # Held by whoever is writing a frame: the writer task (across its write, which may wait
         # for the socket) or a thread in write_now, so frames never interleave or reorder.
         self.lock = threading.Lock()
@@ -66,7 +78,8 @@ class FrameWriter:
         self._unwritten: dict[int, Callable[[bool], None]] = {}
         self._finished: list[int] = []
         self._keys = itertools.count()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"rpcdist-writer-{name}")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name=f"rpcdist-writer-{name}")
 
     def send(self, entries: Entries, written: Callable[[bool], None] | None = None) -> None:
         """Queue one message. ``written(ok)`` runs on the loop once its last byte has been
@@ -77,7 +90,11 @@ class FrameWriter:
             self._unwritten[key] = written
             entries = self._tracked(entries, key)
         self._messages.append(entries)
-        self._wake.set()
+        if self.loop_write is None:
+            self._wake.set()
+        elif not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
 
     def _tracked(self, entries: Entries, key: int) -> Entries:
         yield from entries
@@ -97,7 +114,7 @@ class FrameWriter:
         if the carrier allows it and nothing is queued or being written; else False, and the
         caller queues it with :meth:`send` (on the loop)."""
         direct = self.direct
-        if direct is None or self._messages or self._closed:
+        if direct is None or self._messages or self._held is not None or self._closed:
             return False
         pieces = [piece for entry in entries for piece in entry]
         size = 0
@@ -106,7 +123,7 @@ class FrameWriter:
         if size > DIRECT_MAX_BYTES or not self.lock.acquire(blocking=False):
             return False
         try:
-            if self._messages or self._heartbeat_due or not direct(pieces, size):
+            if self._messages or self._held is not None or self._heartbeat_due or not direct(pieces, size):
                 return False
         finally:
             self.lock.release()
@@ -127,9 +144,51 @@ class FrameWriter:
         finally:  # lost, closed or aborted: what is left will never be written
             self._report_written(False, list(self._unwritten))
 
+    def _flush(self) -> None:
+        """Write one frame of what is queued, at once on the loop (scheduled by :meth:`send`).
+        Whatever is left, or cannot be written without waiting, goes to the writer task."""
+        self._flush_due = False
+        if not self._messages:
+            return
+        loop_write = self.loop_write
+        if (
+            loop_write is None
+            or self._heartbeat_due
+            or self._held is not None
+            or self._closed
+            or not self.lock.acquire(blocking=False)  # the task is writing: it goes on
+        ):
+            self._wake.set()
+            return
+        try:
+            pieces, size = self._next_frame(self._messages)
+            finished, self._finished = self._finished, []
+            if pieces and not loop_write(pieces):
+                self._held = (pieces, size, finished)
+                self._wake.set()
+                return
+        finally:
+            self.lock.release()
+        if pieces and self.traffic is not None:
+            self.traffic.sent += size
+        if finished:
+            self._report_written(True, finished)
+        if self._messages:  # more than a frame: the task writes the rest, minding the carrier
+            self._wake.set()
+
     async def _write_queued(self) -> None:
         messages = self._messages
         while True:
+            if self._held is not None:
+                with self.lock:
+                    pieces, size, finished = self._held
+                    self._held = None
+                    if not await self._put(pieces):
+                        return
+                if self.traffic is not None:
+                    self.traffic.sent += size
+                self._report_written(True, finished)
+                continue
             if self._heartbeat_due:
                 with self.lock:
                     self._heartbeat_due = False
@@ -146,8 +205,9 @@ class FrameWriter:
                 if not await self._write_batch(messages):
                     return
 
-    async def _write_batch(self, messages: collections.deque[Entries]) -> bool:
-        """Write one frame of queued envelopes; False once the link is gone."""
+    @staticmethod
+    def _next_frame(messages: collections.deque[Entries]) -> tuple[list[bytes | memoryview], int]:
+        """The pieces (and size) of the next frame, taken from the queued messages."""
         pieces: list[bytes | memoryview] = []
         size = 0
         while messages and size < MAX_FRAME_BYTES:
@@ -161,6 +221,11 @@ class FrameWriter:
             size += sum(len(p) for p in entry)
             if size >= MAX_FRAME_BYTES and len(messages) > 1:
                 messages.rotate(-1)  # a big message yields its turn after each chunk
+        return pieces, size
+
+    async def _write_batch(self, messages: collections.deque[Entries]) -> bool:
+        """Write one frame of queued envelopes; False once the link is gone."""
+        pieces, size = self._next_frame(messages)
         finished, self._finished = self._finished, []
         if pieces:
             if not await self._put(pieces):
