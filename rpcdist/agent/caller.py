@@ -179,14 +179,19 @@ class Caller(LinkHandler):
         return future
 
     def _send_from_thread(self, call: OutgoingCall) -> bool:
-        """Write ``call`` from this (non-loop) thread if its link is open and idle, nothing
-        this process submitted waits for the loop, and it is small; False: nothing was done."""
+        """Write ``call`` from this (non-loop) thread if its link is open with nothing queued,
+        nothing this process submitted waits for the loop, the peer has room for it, and it is
+        small; False: nothing was done. (Only calls their thread waits for next come here:
+        bursts go through the loop, whose writer packs many into one write.)"""
         agent = self._agent
         rank = call.dest.id
         timeout = call.timeout
         if call.shared or metrics.current is not None or 0 < timeout < DIRECT_MIN_TIMEOUT:
             return False
-        if self.in_flight.get(rank, 0):
+        # Room for this call and one more: the loop may be starting one on a count it read
+        # before this thread's (the callee refuses calls above the limit).
+        room = agent.options.max_inflight_calls_per_peer - 1
+        if self.in_flight.get(rank, 0) >= room:
             return False
         link = self._direct_link(rank)
         if link is None:
@@ -194,7 +199,7 @@ class Caller(LinkHandler):
         call.call_id = call_id = next(self._call_ids)
         entries = list(self._encode(call))
         with self._lock:
-            if self.waiting.get(rank) or self.in_flight.get(rank, 0):  # (again, now it counts)
+            if self.waiting.get(rank) or self.in_flight.get(rank, 0) >= room:  # (again, now it counts)
                 return False
             if timeout > 0:
                 call.deadline = time.monotonic() + timeout
