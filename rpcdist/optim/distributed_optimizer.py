@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from rpcdist.agent import current_agent
 from rpcdist.autograd import get_gradients
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future, wait_all
 from rpcdist.rpc import RRef, rpc_async
+from rpcdist.rpc.api import start_call
 from rpcdist.serialization import trust
 
 __all__ = ["DistributedOptimizer"]
@@ -122,11 +122,9 @@ class DistributedOptimizer:
     def _start(
         self, made: list[tuple[RRef[_LocalOptimizer], int]], context_id: int, waited: bool = False
     ) -> list[Future[Any]]:
-        if waited and not torch.autograd._profiler_enabled():
-            # This thread waits for them next: each may be written right here (Agent.submit).
-            agent = current_agent()
+        if waited:  # this thread waits for them next: each may be written right here
             return [
-                agent.submit(rref.owner(), _step, (key, context_id), None, -1.0, waited=True)
+                start_call("async", rref.owner(), _step, (key, context_id), None, -1.0, waited=True)
                 for rref, key in made
             ]
         return [rpc_async(rref.owner(), _step, args=(key, context_id)) for rref, key in made]

@@ -321,7 +321,7 @@ def rpc_async(
 
     ``timeout`` in seconds: -1 uses the default ``rpc_timeout``, 0 waits without limit.
     """
-    future = _call("async", to, func, args, kwargs, timeout)
+    future = start_call("async", to, func, args, kwargs, timeout)
     collecting = getattr(_thread_local_var, "future_list", None)
     if collecting is not None:  # inside _wait_all()
         collecting.append(future)
@@ -414,17 +414,24 @@ def _wait_all() -> Iterator[None]:
             del _thread_local_var.future_list
 
 
-def _call(
+def start_call(
     mode: str,
     to: str | int | WorkerInfo,
     func: Callable[..., Any],
     args: tuple[Any, ...] | None,
     kwargs: dict[str, Any] | None,
     timeout: float,
+    *,
+    waited: bool | None = None,
 ) -> Future[Any]:
+    """Start a call as ``rpc_sync`` (``mode="sync"``) or ``rpc_async`` (``"async"``) do,
+    profiled under that name while a profiler runs. ``waited``: the calling thread waits for
+    it next, so it may write the call itself (default: ``mode == "sync"``; see
+    ``Agent.submit``)."""
     agent = current_agent()
     if not torch.autograd._profiler_enabled():
-        return agent.submit(to, func, args, kwargs, timeout, waited=mode == "sync")
+        waits = mode == "sync" if waited is None else waited
+        return agent.submit(to, func, args, kwargs, timeout, waited=waits)
     return profiling.profiled_call(agent, mode, to, func, args, kwargs, timeout)
 
 
@@ -439,7 +446,7 @@ def rpc_sync(
 
     Raises the remote exception (with the remote traceback attached) or RpcTimeoutError.
     """
-    return _call("sync", to, func, args, kwargs, timeout).wait()
+    return start_call("sync", to, func, args, kwargs, timeout).wait()
 
 
 def remote(
