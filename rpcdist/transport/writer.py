@@ -6,7 +6,9 @@ hold up small calls to the same peer.
 
 On a socket carrier, a thread with a small message ready (a pool thread's result, a caller's
 request) may write it itself when nothing is queued (:meth:`FrameWriter.write_now`): one
-socket write instead of a wake-up of the loop, which would then write it.
+socket write instead of a wake-up of the loop, which would then write it. What the loop itself
+queues there during one of its turns is written right after that turn, on the loop
+(:meth:`FrameWriter._flush`), rather than by waking the writer task.
 """
 
 from __future__ import annotations
@@ -169,10 +171,7 @@ class FrameWriter:
                 return
         finally:
             self.lock.release()
-        if pieces and self.traffic is not None:
-            self.traffic.sent += size
-        if finished:
-            self._report_written(True, finished)
+        self._wrote(size, finished)
         if self._messages:  # more than a frame: the task writes the rest, minding the carrier
             self._wake.set()
 
@@ -185,9 +184,7 @@ class FrameWriter:
                     self._held = None
                     if not await self._put(pieces):
                         return
-                if self.traffic is not None:
-                    self.traffic.sent += size
-                self._report_written(True, finished)
+                self._wrote(size, finished)
                 continue
             if self._heartbeat_due:
                 with self.lock:
@@ -227,14 +224,18 @@ class FrameWriter:
         """Write one frame of queued envelopes; False once the link is gone."""
         pieces, size = self._next_frame(messages)
         finished, self._finished = self._finished, []
-        if pieces:
-            if not await self._put(pieces):
-                return False
-            if self.traffic is not None:
-                self.traffic.sent += size
+        if pieces and not await self._put(pieces):
+            return False
+        self._wrote(size, finished)
+        return True
+
+    def _wrote(self, size: int, finished: list[int]) -> None:
+        """A frame of ``size`` bytes was handed to the carrier, with the last pieces of the
+        messages ``finished``."""
+        if size and self.traffic is not None:
+            self.traffic.sent += size
         if finished:
             self._report_written(True, finished)
-        return True
 
     async def _put(self, frame: list[bytes | memoryview]) -> bool:
         """Write one frame; False once the link is gone (its reader fails the calls that were
