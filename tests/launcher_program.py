@@ -151,11 +151,13 @@ def init_without_arguments(out: Path) -> None:
 
 
 def mode_elastic(out: Path) -> None:
-    """Write ``seen.<MASTER_PORT>.rank<RANK>.json`` (each round has a store of its own, so the
-    port names the round); then wait until ``finish`` holds this group's world size and run
-    :func:`init_without_arguments` in it. A re-forming group stops it before that (SIGTERM)."""
+    """Write ``seen.<pid>.json`` (each round starts new workers; the round's store port is in
+    it, but the system may give a later round's store the same port); then wait until
+    ``finish`` holds this group's world size and run :func:`init_without_arguments` in it. A
+    re-forming group stops it before that (SIGTERM)."""
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     seen = {
+        "port": os.environ["MASTER_PORT"],
         "rank": rank,
         "world": world,
         "group_rank": int(os.environ["GROUP_RANK"]),
@@ -163,7 +165,7 @@ def mode_elastic(out: Path) -> None:
         "restart_count": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
         "pid": os.getpid(),
     }
-    _write(out, f"seen.{os.environ['MASTER_PORT']}.rank{rank}.json", seen)
+    _write(out, f"seen.{os.getpid()}.json", seen)
     finish, deadline = out / "finish", time.monotonic() + 150
     while time.monotonic() < deadline:
         if finish.exists() and finish.read_text() == str(world):

@@ -381,18 +381,22 @@ def test_a_failure_on_one_node_restarts_every_node(tmp_path: Path, forked: list[
     assert logs.count("restarting the workers (restart 1 of 1)") == 2
 
 
-def _new_group(out: Path, world: int, known: list[str], procs: list[Forked], timeout: float = 45.0) -> str:
-    """Wait for a round not in ``known`` whose ``world`` workers all started (launcher_program's
-    ``elastic`` mode); returns its store port, appended to ``known``."""
+def _new_group(out: Path, world: int, known: set[int], procs: list[Forked], timeout: float = 45.0) -> str:
+    """Wait for a new round whose ``world`` workers all started (launcher_program's ``elastic``
+    mode): workers not in ``known`` (pids) that share a store port. Returns that port and adds
+    the workers to ``known``. (A port alone does not name a round: a later round's store may
+    get an earlier one's port.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rounds: dict[str, list[dict[str, Any]]] = {}
         for path in out.glob("seen.*.json"):
-            rounds.setdefault(path.name.split(".")[1], []).append(_json(path))
+            seen = _json(path)
+            if seen["pid"] not in known:
+                rounds.setdefault(seen["port"], []).append(seen)
         for port, seen in rounds.items():
-            if port not in known and len(seen) == world:
+            if len(seen) == world:
                 assert all(s["world"] == world for s in seen), seen
-                known.append(port)
+                known.update(s["pid"] for s in seen)
                 return port
         time.sleep(0.1)
     logs = "".join(proc.output()[-3000:] for proc in procs)
@@ -410,7 +414,7 @@ def test_nodes_join_and_leave_a_running_elastic_group(tmp_path: Path, forked: li
     args += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"]
     node_a = launch(forked, out, [*args, "--node-rank", "0"], "elastic", name="node_a")
     node_b = launch(forked, out, args, "elastic", name="node_b")
-    groups: list[str] = []
+    groups: set[int] = set()
     _new_group(out, 2, groups, [node_a, node_b])
     node_c = launch(forked, out, args, "elastic", name="node_c")
     _new_group(out, 3, groups, [node_a, node_b, node_c])
