@@ -202,6 +202,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def sched_seconds(pid: int) -> float:
+    """Run time of all live threads of a process in ns precision (/proc/<pid>/task/*/schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
 def machine_cpu() -> tuple[float, float]:
     """Seconds of CPU the whole machine spent busy, and stolen by the hypervisor (/proc/stat)."""
     with open("/proc/stat") as f:

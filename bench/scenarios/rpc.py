@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 from typing import Any
@@ -412,29 +411,17 @@ class Rpc(Scenario):
         return f"{v:,.0f}" if v >= 100 and row["unit"] != "% core" else f"{v:.1f}"
 
 
-def sched_seconds(pid: int) -> float:
-    """Run time of all live threads of a process in ns precision (/proc/<pid>/task/*/schedstat)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
-
-
 def measure_idle(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """% of one core each process used over ``seconds`` with nothing in flight.
 
     ``<role>_pct`` comes from /proc/<pid>/stat utime+stime (clock-tick resolution);
     ``<role>_pct_schedstat`` is the same from the threads' schedstat run time, for cross-checking.
     """
-    before = {role: (H.cpu_seconds(pid), sched_seconds(pid)) for role, pid in pids.items()}
+    before = {role: (H.cpu_seconds(pid), H.sched_seconds(pid)) for role, pid in pids.items()}
     t0 = time.monotonic()
     time.sleep(seconds)
     wall = time.monotonic() - t0
-    after = {role: (H.cpu_seconds(pid), sched_seconds(pid)) for role, pid in pids.items()}
+    after = {role: (H.cpu_seconds(pid), H.sched_seconds(pid)) for role, pid in pids.items()}
     res: dict[str, float] = {"seconds": wall}
     for role in pids:
         res[f"{role}_pct"] = 100.0 * (after[role][0] - before[role][0]) / wall

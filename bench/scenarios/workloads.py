@@ -90,14 +90,15 @@ class WorkloadFollower(Follower):
 
 
 def idle_cpu(procs: list[Any], seconds: float) -> list[float]:
-    """% of one core each process burns over ``seconds`` with nothing in flight."""
+    """% of one core each process burns over ``seconds`` with nothing in flight (its threads'
+    run time in ns: clock ticks would quantise 2 s into steps of 0.5 %)."""
     import time
 
-    before = [H.cpu_seconds(p.pid) for p in procs]
+    before = [H.sched_seconds(p.pid) for p in procs]
     t0 = time.monotonic()
     time.sleep(seconds)
     took = time.monotonic() - t0
-    return [100 * (H.cpu_seconds(p.pid) - b) / took for p, b in zip(procs, before, strict=True)]
+    return [100 * (H.sched_seconds(p.pid) - b) / took for p, b in zip(procs, before, strict=True)]
 
 
 def round_metrics(workload: str, g: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:

@@ -63,7 +63,10 @@ class LinkHandler(Protocol):
 
 
 class Session(Protocol):
-    """The user's side of one incoming connection (the agent's callee half)."""
+    """The user's side of one incoming connection (the agent's callee half).
+
+    A session may name its peer's rank as ``caller_rank`` (-1 until known): frames on the
+    connection then count as hearing from that peer (see ``Transport``'s heartbeats)."""
 
     def on_frame(self, raw: bytes) -> None:
         """Handle one frame; raises ``FrameError`` if it is malformed."""
@@ -103,6 +106,9 @@ class Link(abc.ABC):
         # Messages on this link still waiting for CHUNKs (filled by the handler's decoder).
         self.assemblies: dict[int, Any] = {}
         self.last_heard = time.monotonic()  # when the peer last sent anything on this link
+        # Whether the peer's heartbeats on its own connection to us cover this pair, so this
+        # link needs none of its own while they come (see Transport._heard_from).
+        self.covered_by_peer = False
         self.lost_reason = ""  # set when the link is given up on (no heartbeat answer)
         self.traffic: Any = None  # the peer's byte counters (rpcdist.metrics.Traffic), metrics on
         self.slots_read: Any = None  # the handler's SLOTS_READ notices to the peer (frames.py)

@@ -59,8 +59,10 @@ class Transport(LinkHandler):
     has been quiet on for ``heartbeat_interval`` seconds gets an empty frame, which the peer
     answers on the same connection; a peer quiet for ``heartbeat_interval * (heartbeat_misses
     + 1)`` seconds is given up on, and its loss is reported as if its connection had closed.
-    This finds peers that vanish without closing (a host gone, a link cut, a hung process);
-    0 turns it off.
+    A frame on the peer's own connection to us counts as hearing from it; a pair linked both
+    ways beats one way (the link to the peer whose name sorts first waits for
+    ``heartbeat_misses`` intervals of silence before it beats). This finds peers that vanish
+    without closing (a host gone, a link cut, a hung process); 0 turns it off.
 
     ``security`` (default: none) is the token every incoming link must carry (checked once
     per connection: gRPC metadata, or the socket's hello, before any frame is decoded) and
@@ -166,7 +168,18 @@ class Transport(LinkHandler):
     ) -> Session:
         """The session of an incoming connection: heartbeats answered here, the rest to the
         user's session, both through one writer (so they never write at once)."""
-        return _AnsweringSession(self._make_session, write, direct, loop_write)
+        heard = self._heard_from if self.heartbeat_interval > 0 else None
+        return _AnsweringSession(self._make_session, write, direct, loop_write, heard)
+
+    def _heard_from(self, rank: int) -> None:
+        """A frame from ``rank`` came on its connection to us: it is alive. A pair of peers
+        linked both ways beats one way, answered, not both ways (each gRPC message costs an
+        idle worker a dozen wake-ups of gRPC's threads): the one whose name sorts first
+        beats; the other's link waits, while the first one's frames keep coming."""
+        link = self._links.get(rank)
+        if link is not None:
+            link.last_heard = time.monotonic()
+            link.covered_by_peer = link.peer.name < self.name
 
     async def _beat(self) -> None:
         """Send heartbeats on quiet links; give up on peers that stay silent too long."""
@@ -188,6 +201,9 @@ class Transport(LinkHandler):
                 continue
             for link in links:
                 quiet = now - link.last_heard
+                # Covered by the peer's heartbeats (one every interval or two): ours beats
+                # only if those stop, one interval before giving up.
+                due = limit - interval if link.covered_by_peer else interval
                 if quiet >= limit:
                     log.warning("%s: no answer from %s for %.1f s", self.name, link.peer.name, quiet)
                     self._unresponsive.add(link.peer.rank)
@@ -195,7 +211,7 @@ class Transport(LinkHandler):
                         f"no answer to heartbeats for {quiet:.1f} s (interval {interval:g} s, "
                         f"{self.heartbeat_misses} missed): its host or process stopped responding"
                     )
-                elif quiet >= interval:
+                elif quiet >= due:
                     link.writer.send_heartbeat()
 
     def card(self, advertise_host: str) -> dict[str, str]:
@@ -297,6 +313,7 @@ class Transport(LinkHandler):
 
     def on_frame(self, link: Link, raw: bytes) -> None:
         link.last_heard = time.monotonic()
+        link.covered_by_peer = False
         if link.traffic is not None:
             link.traffic.received += len(raw)
         self._unresponsive.discard(link.peer.rank)
@@ -398,9 +415,11 @@ class Transport(LinkHandler):
 
 class _AnsweringSession:
     """The transport's side of an incoming connection: answers heartbeats, hands every other
-    frame to the user's session. Both write through the same :class:`FrameWriter`."""
+    frame to the user's session. Both write through the same :class:`FrameWriter`.
+    ``heard(rank)`` hears of every frame once the user's session knows its peer's rank
+    (its ``caller_rank``, -1 until then)."""
 
-    __slots__ = ("session", "writer")
+    __slots__ = ("heard", "session", "writer")
 
     def __init__(
         self,
@@ -408,16 +427,22 @@ class _AnsweringSession:
         write: Write,
         direct: DirectWrite | None,
         loop_write: LoopWrite | None,
+        heard: Callable[[int], None] | None = None,
     ) -> None:
         self.writer = FrameWriter(write, "inbound", direct)
         self.writer.loop_write = loop_write
         self.session = make_session(self.writer)
+        self.heard = heard
 
     def on_frame(self, raw: bytes) -> None:
         if raw:
             self.session.on_frame(raw)
         else:
             self.writer.send_heartbeat()
+        if self.heard is not None:
+            rank = getattr(self.session, "caller_rank", -1)
+            if rank >= 0:
+                self.heard(rank)
 
     async def finish(self) -> None:
         await self.session.finish()
