@@ -88,7 +88,7 @@ async def test_a_pair_linked_both_ways_beats_one_way_and_the_quiet_side_still_fi
         await asyncio.sleep(16 * INTERVAL)
         assert not any(h.lost for h in handlers), [h.lost for h in handlers]
         # Both ways would be about 8 each (a link beats every interval or two). One way: w0
-        # (its name sorts first) beats w1; w1's link to w0 waits, refreshed by w0's frames.
+        # (its name sorts first) beats w1; w1's link to w0 waits, refreshed by w0's heartbeats.
         assert beats.get("w1", 0) >= 4, beats
         assert beats.get("w0", 0) <= 1, beats  # (a beat before w0's first one arrived)
 

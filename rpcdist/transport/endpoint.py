@@ -59,8 +59,8 @@ class Transport(LinkHandler):
     has been quiet on for ``heartbeat_interval`` seconds gets an empty frame, which the peer
     answers on the same connection; a peer quiet for ``heartbeat_interval * (heartbeat_misses
     + 1)`` seconds is given up on, and its loss is reported as if its connection had closed.
-    A frame on the peer's own connection to us counts as hearing from it; a pair linked both
-    ways beats one way (the link to the peer whose name sorts first waits for
+    A heartbeat on the peer's own connection to us counts as hearing from it; a pair linked
+    both ways beats one way (the link to the peer whose name sorts first waits for
     ``heartbeat_misses`` intervals of silence before it beats). This finds peers that vanish
     without closing (a host gone, a link cut, a hung process); 0 turns it off.
 
@@ -172,14 +172,15 @@ class Transport(LinkHandler):
         return _AnsweringSession(self._make_session, write, direct, loop_write, heard)
 
     def _heard_from(self, rank: int) -> None:
-        """A frame from ``rank`` came on its connection to us: it is alive. A pair of peers
+        """A heartbeat from ``rank`` came on its connection to us: it is alive. A pair of peers
         linked both ways beats one way, answered, not both ways (each gRPC message costs an
         idle worker a dozen wake-ups of gRPC's threads): the one whose name sorts first
-        beats; the other's link waits, while the first one's frames keep coming."""
+        beats; the other's link waits, while the first one's heartbeats keep coming."""
         link = self._links.get(rank)
         if link is not None:
             link.last_heard = time.monotonic()
-            link.covered_by_peer = link.peer.name < self.name
+            if link.peer.name < self.name:
+                link.peer_beat_at = link.last_heard
 
     async def _beat(self) -> None:
         """Send heartbeats on quiet links; give up on peers that stay silent too long."""
@@ -201,9 +202,10 @@ class Transport(LinkHandler):
                 continue
             for link in links:
                 quiet = now - link.last_heard
-                # Covered by the peer's heartbeats (one every interval or two): ours beats
-                # only if those stop, one interval before giving up.
-                due = limit - interval if link.covered_by_peer else interval
+                # Covered by the peer's heartbeats (one every interval or two) while they come:
+                # ours beats only if the peer falls silent, one interval before giving up.
+                covered = now - link.peer_beat_at <= 2.5 * interval
+                due = limit - interval if covered else interval
                 if quiet >= limit:
                     log.warning("%s: no answer from %s for %.1f s", self.name, link.peer.name, quiet)
                     self._unresponsive.add(link.peer.rank)
@@ -313,7 +315,6 @@ class Transport(LinkHandler):
 
     def on_frame(self, link: Link, raw: bytes) -> None:
         link.last_heard = time.monotonic()
-        link.covered_by_peer = False
         if link.traffic is not None:
             link.traffic.received += len(raw)
         self._unresponsive.discard(link.peer.rank)
@@ -416,8 +417,8 @@ class Transport(LinkHandler):
 class _AnsweringSession:
     """The transport's side of an incoming connection: answers heartbeats, hands every other
     frame to the user's session. Both write through the same :class:`FrameWriter`.
-    ``heard(rank)`` hears of every frame once the user's session knows its peer's rank
-    (its ``caller_rank``, -1 until then)."""
+    ``heard(rank)`` hears of every heartbeat once the user's session knows its peer's rank
+    (its ``caller_rank``, -1 until then); calls are not counted, to keep their path short."""
 
     __slots__ = ("heard", "session", "writer")
 
@@ -437,8 +438,8 @@ class _AnsweringSession:
     def on_frame(self, raw: bytes) -> None:
         if raw:
             self.session.on_frame(raw)
-        else:
-            self.writer.send_heartbeat()
+            return
+        self.writer.send_heartbeat()
         if self.heard is not None:
             rank = getattr(self.session, "caller_rank", -1)
             if rank >= 0:
