@@ -19,13 +19,16 @@ MISSES = 3
 
 
 class _Session:
-    """An incoming connection's session: the first frame names the caller's rank."""
+    """An incoming connection's session: a frame names the caller's rank, and is answered
+    (so a busy link hears from its peer, as a link with calls in flight does)."""
 
-    def __init__(self, _writer: writer.FrameWriter) -> None:
+    def __init__(self, out: writer.FrameWriter) -> None:
         self.caller_rank = -1
+        self.out = out
 
     def on_frame(self, raw: bytes) -> None:
         self.caller_rank = int(bytes(raw[:1]))
+        self.out.send(iter([[b"answer"]]))
 
     async def finish(self) -> None:
         pass
@@ -91,6 +94,17 @@ async def test_a_pair_linked_both_ways_beats_one_way_and_the_quiet_side_still_fi
         # (its name sorts first) beats w1; w1's link to w0 waits, refreshed by w0's heartbeats.
         assert beats.get("w1", 0) >= 4, beats
         assert beats.get("w0", 0) <= 1, beats  # (a beat before w0's first one arrived)
+
+        # After traffic both ways (no heartbeats while links hear answers), the quiet side
+        # does not start beating either: w0's calls on its connection counted as hearing it.
+        for _ in range(8):
+            for rank, t in enumerate(transports):
+                t.link(1 - rank).send(iter([[str(rank).encode()]]))
+            await asyncio.sleep(INTERVAL / 2)
+        beats.clear()
+        await asyncio.sleep(8 * INTERVAL)
+        assert not any(h.lost for h in handlers), [h.lost for h in handlers]
+        assert beats.get("w1", 0) >= 2 and beats.get("w0", 0) == 0, beats
 
         # The beating side hangs: it neither beats nor answers, and its connections stay
         # open. The quiet side must give up on it within the bound, as if it beat itself.

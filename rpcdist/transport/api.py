@@ -65,8 +65,8 @@ class LinkHandler(Protocol):
 class Session(Protocol):
     """The user's side of one incoming connection (the agent's callee half).
 
-    A session may name its peer's rank as ``caller_rank`` (-1 until known): heartbeats on
-    the connection then count as hearing from that peer (see ``Transport``)."""
+    A session may name its peer's rank as ``caller_rank`` (-1 until known): frames on the
+    connection then count as hearing from that peer (see ``Transport``)."""
 
     def on_frame(self, raw: bytes) -> None:
         """Handle one frame; raises ``FrameError`` if it is malformed."""
@@ -106,9 +106,9 @@ class Link(abc.ABC):
         # Messages on this link still waiting for CHUNKs (filled by the handler's decoder).
         self.assemblies: dict[int, Any] = {}
         self.last_heard = time.monotonic()  # when the peer last sent anything on this link
-        # When the peer last beat on its own connection to us, if those heartbeats cover this
-        # pair (this link then needs none of its own while they come: Transport._heard_from).
-        self.peer_beat_at = float("-inf")
+        # When the peer was last heard on its own connection to us, if its heartbeats there
+        # cover this pair (this link then needs none of its own: Transport._heard_from).
+        self.peer_heard_at = float("-inf")
         self.lost_reason = ""  # set when the link is given up on (no heartbeat answer)
         self.traffic: Any = None  # the peer's byte counters (rpcdist.metrics.Traffic), metrics on
         self.slots_read: Any = None  # the handler's SLOTS_READ notices to the peer (frames.py)

@@ -59,8 +59,8 @@ class Transport(LinkHandler):
     has been quiet on for ``heartbeat_interval`` seconds gets an empty frame, which the peer
     answers on the same connection; a peer quiet for ``heartbeat_interval * (heartbeat_misses
     + 1)`` seconds is given up on, and its loss is reported as if its connection had closed.
-    A heartbeat on the peer's own connection to us counts as hearing from it; a pair linked
-    both ways beats one way (the link to the peer whose name sorts first waits for
+    A frame on the peer's own connection to us counts as hearing from it; a pair linked both
+    ways beats one way (the link to the peer whose name sorts first waits for
     ``heartbeat_misses`` intervals of silence before it beats). This finds peers that vanish
     without closing (a host gone, a link cut, a hung process); 0 turns it off.
 
@@ -101,6 +101,7 @@ class Transport(LinkHandler):
         self.slots = shm.SlotPool()
         self.peers: dict[int, PeerAddress] = {}
         self._links: dict[int, Link] = {}
+        self._watched: set[_AnsweringSession] = set()  # network carriers' incoming sessions
         self._lost: list[Link] = []  # links gone from under us, closed for good at close()
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
@@ -120,7 +121,7 @@ class Transport(LinkHandler):
         security = self.security
         interceptors = server_interceptors(security, f"worker {self.name}")
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
-        self._server.add_generic_rpc_handlers((exchange_handler(self._accept),))
+        self._server.add_generic_rpc_handlers((exchange_handler(self._accept_watched),))
         for _, add_to in services:
             add_to(self._server)
         self._health = health_aio.HealthServicer()
@@ -149,7 +150,7 @@ class Transport(LinkHandler):
                 shm.remove_socket(path)
                 log.info("no Unix-socket transport (%s); co-located peers use gRPC", exc)
         if self._tcp_links:
-            self._tcp_server, self.tcp_port = await serve_tcp(host, self._accept, security)
+            self._tcp_server, self.tcp_port = await serve_tcp(host, self._accept_watched, security)
             listening.append(f"TCP {address[:-1]}{self.tcp_port} ({'TLS' if security.tls else 'plaintext'})")
         log.info(
             "%s listens on %s; %s",
@@ -168,19 +169,39 @@ class Transport(LinkHandler):
     ) -> Session:
         """The session of an incoming connection: heartbeats answered here, the rest to the
         user's session, both through one writer (so they never write at once)."""
-        heard = self._heard_from if self.heartbeat_interval > 0 else None
-        return _AnsweringSession(self._make_session, write, direct, loop_write, heard)
+        return _AnsweringSession(self._make_session, write, direct, loop_write)
 
-    def _heard_from(self, rank: int) -> None:
-        """A heartbeat from ``rank`` came on its connection to us: it is alive. A pair of peers
-        linked both ways beats one way, answered, not both ways (each gRPC message costs an
-        idle worker a dozen wake-ups of gRPC's threads): the one whose name sorts first
-        beats; the other's link waits, while the first one's heartbeats keep coming."""
+    def _accept_watched(
+        self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
+    ) -> Session:
+        """:meth:`_accept` for a network carrier (gRPC, TCP), whose links heartbeat: what the
+        peer sends on its own connection counts as hearing from it (see :meth:`_heard_from`)."""
+        if self.heartbeat_interval <= 0:
+            return self._accept(write, direct, loop_write)
+        heard, watched = self._heard_from, self._watched
+        return _AnsweringSession(self._make_session, write, direct, loop_write, heard, watched)
+
+    def _heard_from(self, rank: int, at: float) -> None:
+        """``rank`` sent something on its own connection to us at ``at`` (or later): it is
+        alive. A pair of peers linked both ways beats one way, answered, not both ways (each
+        gRPC message costs an idle worker a dozen wake-ups of gRPC's threads): the one whose
+        name sorts first beats; the other's link waits, while the first one's connection
+        keeps carrying frames (its heartbeats, when quiet)."""
         link = self._links.get(rank)
         if link is not None:
-            link.last_heard = time.monotonic()
+            link.last_heard = max(link.last_heard, at)
             if link.peer.name < self.name:
-                link.peer_beat_at = link.last_heard
+                link.peer_heard_at = max(link.peer_heard_at, at)
+
+    def _note_incoming(self, since: float) -> None:
+        """Peers whose connections carried frames since the last tick were heard from then
+        (counted per frame, so a call's path costs one increment, not a clock read)."""
+        for session in self._watched:
+            if session.frames != session.frames_noted:
+                session.frames_noted = session.frames
+                rank = getattr(session.session, "caller_rank", -1)
+                if rank >= 0:
+                    self._heard_from(rank, since)
 
     async def _beat(self) -> None:
         """Send heartbeats on quiet links; give up on peers that stay silent too long."""
@@ -188,11 +209,14 @@ class Transport(LinkHandler):
         limit = interval * (self.heartbeat_misses + 1)
         loop = asyncio.get_running_loop()
         expected = loop.time() + interval
+        previous = time.monotonic()
         while True:
             await asyncio.sleep(max(0.0, expected - loop.time()))
             now = time.monotonic()
             late = loop.time() - expected
             expected = loop.time() + interval
+            self._note_incoming(previous)
+            previous = now
             links = [link for link in self._links.values() if link.heartbeats]
             if late > interval:
                 # This process was stalled (not the peers): frames may be waiting unread.
@@ -202,9 +226,9 @@ class Transport(LinkHandler):
                 continue
             for link in links:
                 quiet = now - link.last_heard
-                # Covered by the peer's heartbeats (one every interval or two) while they come:
-                # ours beats only if the peer falls silent, one interval before giving up.
-                covered = now - link.peer_beat_at <= 2.5 * interval
+                # Covered by the peer's frames on its own connection (its heartbeats come every
+                # interval or two): ours beats only if those stop, one interval before giving up.
+                covered = now - link.peer_heard_at <= 2.5 * interval
                 due = limit - interval if covered else interval
                 if quiet >= limit:
                     log.warning("%s: no answer from %s for %.1f s", self.name, link.peer.name, quiet)
@@ -417,10 +441,12 @@ class Transport(LinkHandler):
 class _AnsweringSession:
     """The transport's side of an incoming connection: answers heartbeats, hands every other
     frame to the user's session. Both write through the same :class:`FrameWriter`.
-    ``heard(rank)`` hears of every heartbeat once the user's session knows its peer's rank
-    (its ``caller_rank``, -1 until then); calls are not counted, to keep their path short."""
 
-    __slots__ = ("heard", "session", "writer")
+    On a network carrier it is ``watched`` (a set the transport's heartbeats look through):
+    it counts its frames, and tells ``heard(rank, now)`` of each heartbeat once the user's
+    session knows its peer's rank (its ``caller_rank``, -1 until then)."""
+
+    __slots__ = ("frames", "frames_noted", "heard", "session", "watched", "writer")
 
     def __init__(
         self,
@@ -428,14 +454,20 @@ class _AnsweringSession:
         write: Write,
         direct: DirectWrite | None,
         loop_write: LoopWrite | None,
-        heard: Callable[[int], None] | None = None,
+        heard: Callable[[int, float], None] | None = None,
+        watched: set[_AnsweringSession] | None = None,
     ) -> None:
         self.writer = FrameWriter(write, "inbound", direct)
         self.writer.loop_write = loop_write
         self.session = make_session(self.writer)
         self.heard = heard
+        self.frames = self.frames_noted = 0
+        self.watched = watched
+        if watched is not None:
+            watched.add(self)
 
     def on_frame(self, raw: bytes) -> None:
+        self.frames += 1
         if raw:
             self.session.on_frame(raw)
             return
@@ -443,10 +475,12 @@ class _AnsweringSession:
         if self.heard is not None:
             rank = getattr(self.session, "caller_rank", -1)
             if rank >= 0:
-                self.heard(rank)
+                self.heard(rank, time.monotonic())
 
     async def finish(self) -> None:
         await self.session.finish()
 
     def cleanup(self) -> None:
+        if self.watched is not None:
+            self.watched.discard(self)
         self.session.cleanup()
