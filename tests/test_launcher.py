@@ -414,17 +414,17 @@ def test_nodes_join_and_leave_a_running_elastic_group(tmp_path: Path, forked: li
     args += ["--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"]
     node_a = launch(forked, out, [*args, "--node-rank", "0"], "elastic", name="node_a")
     node_b = launch(forked, out, args, "elastic", name="node_b")
-    groups: set[int] = set()
-    _new_group(out, 2, groups, [node_a, node_b])
+    started: set[int] = set()  # the pids of the workers of the rounds seen so far
+    _new_group(out, 2, started, [node_a, node_b])
     node_c = launch(forked, out, args, "elastic", name="node_c")
-    _new_group(out, 3, groups, [node_a, node_b, node_c])
+    _new_group(out, 3, started, [node_a, node_b, node_c])
     os.kill(node_c.pid, signal.SIGTERM)
     assert node_c.wait(30) == 128 + signal.SIGTERM, node_c.output()[-4000:]
-    _new_group(out, 2, groups, [node_a, node_b, node_c])
+    _new_group(out, 2, started, [node_a, node_b, node_c])
     node_d = launch(forked, out, args, "elastic", name="node_d")
-    _new_group(out, 3, groups, [node_a, node_b, node_d])
+    _new_group(out, 3, started, [node_a, node_b, node_d])
     node_d.kill()  # SIGKILL: its worker dies with it, nobody is told
-    _new_group(out, 2, groups, [node_a, node_b])
+    _new_group(out, 2, started, [node_a, node_b])
     (out / "finish").write_text("2")
     assert node_a.wait(90) == 0, node_a.output()[-6000:] + node_b.output()[-4000:]
     assert node_b.wait(30) == 0, node_b.output()[-6000:]

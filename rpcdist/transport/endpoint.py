@@ -199,7 +199,7 @@ class Transport(LinkHandler):
         for session in self._watched:
             if session.frames != session.frames_noted:
                 session.frames_noted = session.frames
-                rank = getattr(session.session, "caller_rank", -1)
+                rank = session.peer_rank
                 if rank >= 0:
                     self._heard_from(rank, since)
 
@@ -473,9 +473,14 @@ class _AnsweringSession:
             return
         self.writer.send_heartbeat()
         if self.heard is not None:
-            rank = getattr(self.session, "caller_rank", -1)
+            rank = self.peer_rank
             if rank >= 0:
                 self.heard(rank, time.monotonic())
+
+    @property
+    def peer_rank(self) -> int:
+        """The peer's rank as the user's session knows it (-1 until then, or if it cannot)."""
+        return getattr(self.session, "caller_rank", -1)
 
     async def finish(self) -> None:
         await self.session.finish()
