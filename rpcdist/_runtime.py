@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import os
 import sys
@@ -235,8 +236,6 @@ def grpc_poller_alive() -> bool:
 def _grpc_aio_in_use() -> bool:
     """Whether any grpc.aio channel or server object still exists in this process (one that
     is not rpcdist's keeps grpc.aio, and its poller thread, running)."""
-    import gc
-
     from grpc._cython import cygrpc
 
     kinds = {k for k in (getattr(cygrpc, "AioChannel", None), getattr(cygrpc, "AioServer", None)) if k}
@@ -247,23 +246,25 @@ def _grpc_aio_in_use() -> bool:
 
 POLLER_GRACE_SECONDS = 0.05
 """How long grpc's poller thread usually takes to end once grpc.aio shut down: waited for
-before the (costlier) check of whether grpc.aio is still in use at all."""
+before anything costlier (a garbage collection, a look over the heap)."""
 
 
 def wait_grpc_poller_gone(timeout: float = 2.0) -> None:
-    """After the last grpc.aio channel and server were freed, wait until grpc's poller thread
-    has ended.
+    """After rpcdist dropped its last grpc.aio channel and server, wait until grpc's poller
+    thread has ended.
 
-    grpc.aio stops it as the last such object goes, but the thread itself ends a moment later:
-    a program that lists its threads right after ``shutdown()`` (or forks) saw it still there.
-    Costs nothing when the thread is already gone; gives up after a moment when grpc.aio is
-    still in use by someone else (the thread then rightly stays)."""
+    grpc.aio stops it as the last such object is freed, but the thread itself ends a moment
+    later: a program that lists its threads right after ``shutdown()`` (or forks) saw it still
+    there. When reference counting freed them, this costs that moment and nothing more. Only if
+    the thread outlives it does a garbage collection run (a reference cycle, such as a
+    traceback's frames, may still hold one; a full collection costs in proportion to the
+    program's heap); then it gives up at once when grpc.aio is still in use by someone else
+    (the thread then rightly stays)."""
     pollers = _grpc_poller_threads()
     deadline = time.monotonic() + timeout
     for thread in pollers:
         thread.join(POLLER_GRACE_SECONDS)
-    pollers = [t for t in pollers if t.is_alive()]
-    if not pollers or _grpc_aio_in_use():
+    if not _still_needed(pollers):
         return
     for thread in pollers:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -272,13 +273,22 @@ def wait_grpc_poller_gone(timeout: float = 2.0) -> None:
 
 
 async def wait_grpc_poller_gone_async(timeout: float = 2.0) -> None:
-    """:func:`wait_grpc_poller_gone` for a running loop (polls; never blocks the loop)."""
+    """:func:`wait_grpc_poller_gone` for a running loop (polls; never blocks the loop, but for
+    the garbage collection, when one is needed)."""
     pollers = _grpc_poller_threads()
     start = time.monotonic()
     while any(t.is_alive() for t in pollers) and time.monotonic() - start < POLLER_GRACE_SECONDS:
         await asyncio.sleep(0.002)
-    pollers = [t for t in pollers if t.is_alive()]
-    if not pollers or _grpc_aio_in_use():
+    if not _still_needed(pollers):
         return
     while any(t.is_alive() for t in pollers) and time.monotonic() - start < timeout:
         await asyncio.sleep(0.002)
+
+
+def _still_needed(pollers: list[threading.Thread]) -> bool:
+    """The poller outlived its grace: collect the garbage that may hold grpc.aio objects, and
+    say whether waiting for the thread is worth it (no one else uses grpc.aio)."""
+    if not any(t.is_alive() for t in pollers):
+        return False
+    gc.collect()
+    return not _grpc_aio_in_use()

@@ -271,12 +271,18 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    # The status is set rather than raised with context.abort(): grpc keeps that exception on
+    # the call's state, and its traceback holds the context, a reference cycle that keeps the
+    # server alive until a garbage collection.
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(message)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - makes this an async generator, as streaming handlers are
+        context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+        context.set_details(message)
+        return
+        yield  # makes this an async generator, as streaming handlers are
 
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming)

@@ -26,6 +26,11 @@ def test_graceful_shutdown_waits_for_call_in_flight(graceful: GroupRun) -> None:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+def test_graceful_shutdown_runs_no_full_garbage_collection(graceful: GroupRun, rank: int) -> None:
+    graceful.check(f"graceful/no-full-collection/{rank}", rank=rank)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
 def test_no_rpc_after_graceful_shutdown(graceful: GroupRun, rank: int) -> None:
     graceful.check(f"graceful/after/{rank}", rank=rank)
 

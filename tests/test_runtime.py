@@ -82,3 +82,36 @@ def test_waiting_for_grpc_poller_thread_ends_it_or_leaves_it_to_its_user() -> No
     wait_grpc_poller_gone(timeout=5.0)
     assert not _grpc_poller_threads(), [t.name for t in threading.enumerate()]
     assert dead_proxy is not None  # (kept on the heap until here)
+
+
+def test_waiting_for_grpc_poller_collects_a_cycle_that_keeps_grpc_alive() -> None:
+    """gRPC objects that only a reference cycle still holds (as an exception's traceback
+    holding the frames that held them) keep grpc's poller running until a garbage collection:
+    the wait runs one once the thread outlives its grace, and the thread then ends."""
+    import gc
+    import threading
+
+    import grpc
+
+    from rpcdist._runtime import _grpc_poller_threads, wait_grpc_poller_gone
+
+    class Holder:
+        pass
+
+    async def leave_a_channel_in_a_cycle() -> None:
+        holder = Holder()
+        holder.channel = grpc.aio.insecure_channel("127.0.0.1:1")  # type: ignore[attr-defined]
+        await holder.channel.close()  # type: ignore[attr-defined]
+        holder.itself = holder  # type: ignore[attr-defined]
+
+    gc.collect()
+    gc.disable()  # (no automatic collection may free the cycle first)
+    try:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(leave_a_channel_in_a_cycle())
+        loop.close()
+        assert _grpc_poller_threads(), "the cycle's channel should keep grpc's poller running"
+        wait_grpc_poller_gone(timeout=5.0)
+        assert not _grpc_poller_threads(), [t.name for t in threading.enumerate()]
+    finally:
+        gc.enable()

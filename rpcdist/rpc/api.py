@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -25,7 +24,6 @@ from rpcdist import rendezvous as rdv
 from rpcdist._runtime import (
     acquire_loop,
     call_blocking,
-    grpc_poller_alive,
     release_loop,
     stray_cancellation,
     wait_for,
@@ -202,6 +200,10 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     0 waits as long as the missing workers are alive (a worker that died ends the wait with a
     warning, never a hang). ``graceful=False`` closes at once.
     """
+    await _shutdown(graceful, timeout, wait_for_grpc_poller=True)
+
+
+async def _shutdown(graceful: bool, timeout: float, wait_for_grpc_poller: bool) -> None:
     agent = _agent
     if agent is None:
         return
@@ -276,9 +278,9 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
         stop_callback_threads()
-        del agent  # (its servers and channels go with it)
-        gc.collect()  # grpc's poller thread ends once the last server/channel object is freed
-        await wait_grpc_poller_gone_async()
+        del agent  # (its servers and channels go with it: grpc's poller thread then ends)
+        if wait_for_grpc_poller:
+            await wait_grpc_poller_gone_async()
 
 
 async def _close_quietly(agent: Agent) -> None:
@@ -298,16 +300,16 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             return
         loop = agent.loop
         try:
-            call_blocking(loop, shutdown_async(graceful, timeout))
+            # The caller's references to the agent (and so its grpc objects) go only here, once
+            # the loop has stopped: the wait for grpc's poller thread comes after that.
+            call_blocking(loop, _shutdown(graceful, timeout, wait_for_grpc_poller=False))
         finally:
             stop_callback_threads(timeout=5.0)  # their callbacks' RPCs have all ended by now
             if _owns_loop:
                 _owns_loop = False
                 release_loop(loop)
             del agent, loop  # the last references to its grpc objects, once the loop has stopped
-            if grpc_poller_alive():  # (a full collection costs ~80 ms with torch loaded)
-                gc.collect()
-                wait_grpc_poller_gone()
+            wait_grpc_poller_gone()
 
 
 def rpc_async(

@@ -110,9 +110,20 @@ def format_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+class _Refusal(Exception):
+    """Ends a store request with an error status (see :func:`_measured`, which answers it)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    await context.abort(code, details)
-    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+    # Not context.abort(): grpc keeps the exception that raises on the call's state, and its
+    # traceback holds the handler's frames, which hold the context: a reference cycle that
+    # keeps the server alive until a garbage collection (one per timed-out Wait).
+    raise _Refusal(code, details)
 
 
 class StoreServicer:
@@ -308,21 +319,23 @@ class StoreServicer:
 
 def _measured(
     method: str, handler: Callable[[bytes, Any], Awaitable[Message]]
-) -> Callable[[bytes, Any], Awaitable[Message]]:
-    """``handler`` timing its requests into rpcdist_store_request_duration_seconds while
-    metrics are on (see :mod:`rpcdist.metrics`)."""
+) -> Callable[[bytes, Any], Awaitable[Message | None]]:
+    """``handler`` answering a :class:`_Refusal` with its status, and timing its requests into
+    rpcdist_store_request_duration_seconds while metrics are on (see :mod:`rpcdist.metrics`)."""
 
-    async def measured(raw: bytes, context: Any) -> Message:
-        if metrics.current is None:
-            return await handler(raw, context)
-        started = time.perf_counter()
+    async def measured(raw: bytes, context: Any) -> Message | None:
+        started = time.perf_counter() if metrics.current is not None else None
         outcome = "error"
         try:
             answer = await handler(raw, context)
             outcome = "ok"
             return answer
+        except _Refusal as refusal:
+            context.set_code(refusal.code)
+            context.set_details(refusal.details)
+            return None  # (with an error status, no answer is sent)
         finally:
-            if metrics.current is not None:
+            if started is not None and metrics.current is not None:
                 metrics.current.store_seconds.labels(method, outcome).observe(time.perf_counter() - started)
 
     return measured
