@@ -114,6 +114,25 @@ def rebuild_sparse_coo(
     return t
 
 
+_NUMPY_VIEWABLE = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.complex128,
+        torch.complex64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+"""dtypes whose CPU tensors ``Tensor.numpy()`` views without a copy (others, such as bfloat16,
+take the general path)."""
+
+
 class _Pickler(pickle.Pickler):
     _grad_reducer: GradReducer | None = None  # set per instance by dumps()
 
@@ -128,6 +147,26 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        if (
+            t.is_cpu
+            and t.layout is torch.strided
+            and t.dtype in _NUMPY_VIEWABLE
+            and t.is_contiguous()
+            and not (t.is_nested or t.is_conj() or t.is_neg())
+        ):
+            # The common case, in a few cheap calls (every call site pays for them, and on a
+            # worker that has just woken each costs several times its warm price): numpy views
+            # the tensor's own elements, which travel as they are.
+            data = t.detach() if t.requires_grad else t
+            args = (
+                pickle.PickleBuffer(data.numpy()),
+                t.dtype,
+                tuple(t.shape),
+                t.stride(),
+                t.requires_grad,
+                type(t) is torch.nn.Parameter,
+            )
+            return self._with_grad(t, rebuild_tensor, args)
         if t.layout == torch.sparse_coo and t.device.type == "cpu":
             data = t.detach()
             parts = (data._indices(), data._values(), tuple(data.shape), t.requires_grad, data.is_coalesced())

@@ -1,0 +1,57 @@
+"""Tensors through ``rpcdist.serialization`` (in process): every kind comes back equal, with
+its dtype, shape, requires_grad and class, and only its own elements travel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rpcdist import serialization
+
+pytestmark = pytest.mark.timeout(60)
+
+CASES = {
+    "scalar": lambda: torch.tensor(3.5),
+    "empty": lambda: torch.empty(0, 4),
+    "contiguous": lambda: torch.randn(32, 10),
+    "slice of a bigger storage": lambda: torch.arange(1000.0)[500:510],
+    "transposed": lambda: torch.randn(3, 4).t(),
+    "every other row": lambda: torch.randn(6, 5)[::2],
+    "expanded": lambda: torch.randn(1, 3).expand(4, 3),
+    "requires grad": lambda: torch.randn(3, 4, requires_grad=True),
+    "parameter": lambda: torch.nn.Parameter(torch.randn(2, 2)),
+    "conjugate view": lambda: torch.randn(2, 3, dtype=torch.complex64).conj(),
+    "negative view": lambda: torch._neg_view(torch.randn(4)),
+    "bfloat16": lambda: torch.randn(4, dtype=torch.bfloat16),
+    "float16": lambda: torch.randn(3, dtype=torch.float16),
+    "bool": lambda: torch.tensor([True, False, True]),
+    "uint8": lambda: torch.randint(0, 255, (7,), dtype=torch.uint8),
+    "int64": lambda: torch.randint(-(2**40), 2**40, (5,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_tensor_comes_back_as_it_left(case: str) -> None:
+    sent = CASES[case]()
+    payload, buffers = serialization.dumps({"t": sent, "n": 1})
+    got = serialization.loads(payload, buffers)["t"]
+    assert type(got) is type(sent)
+    assert got.dtype == sent.dtype and got.shape == sent.shape
+    assert got.requires_grad == sent.requires_grad
+    assert not got.is_conj() and not got.is_neg()  # (the bits resolved: the values are plain)
+    assert torch.equal(got.detach(), sent.detach().resolve_conj().resolve_neg())
+
+
+def test_a_small_slice_of_a_big_tensor_carries_only_its_elements() -> None:
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    _, buffers = serialization.dumps(big[1000:1010])
+    assert sum(len(b) for b in buffers) == 10 * 4
+    _, buffers = serialization.dumps(big.view(1000, 1000)[3:5, 10:20])  # not contiguous
+    assert sum(len(b) for b in buffers) <= 2 * 1000 * 4
+
+
+def test_sending_never_copies_a_contiguous_tensor() -> None:
+    sent = torch.randn(64, 64)
+    _, buffers = serialization.dumps(sent)
+    (buffer,) = buffers
+    assert torch.frombuffer(buffer, dtype=torch.float32).data_ptr() == sent.data_ptr()
