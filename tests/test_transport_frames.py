@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rpcdist import serialization
+from rpcdist.errors import PayloadTooLargeError
 from rpcdist.transport import frames
 from rpcdist.transport.unix_link import _FramedProtocol
 from rpcdist.transport.writer import MAX_FRAME_BYTES
@@ -100,6 +101,21 @@ def test_read_only_frames_are_copied_out() -> None:
     rebuilt = serialization.loads(header.payload, bufs)
     rebuilt.mul_(3)
     assert torch.equal(rebuilt, tensor * 3)
+
+
+def test_a_small_message_gets_memory_of_its_own_and_keeps_the_size_limit() -> None:
+    """A small tensor arriving whole in its header is rebuilt over writable memory that is not
+    the frame's; one above the receiver's max_payload_bytes is refused all the same."""
+    tensor = torch.arange(320.0).view(32, 10)
+    frame = b"".join(_message(4, tensor))
+    (env,) = frames.decode_frame(frame)
+    header, bufs = frames.collect({}, env, 1 << 30)  # type: ignore[misc]
+    rebuilt = serialization.loads(header.payload, bufs)
+    rebuilt.mul_(2)
+    assert torch.equal(rebuilt, tensor * 2)
+    assert torch.equal(serialization.loads(header.payload, frames.collect({}, env, 1 << 30)[1]), tensor)  # type: ignore[index, arg-type]
+    _, refused = frames.collect({}, env, 1000)  # type: ignore[misc]
+    assert isinstance(refused, PayloadTooLargeError), refused
 
 
 def test_aligned_padding_is_plain_protobuf() -> None:

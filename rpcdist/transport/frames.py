@@ -410,6 +410,15 @@ class SlotsReadNotices:
             self._writer.send(encode_message(0, SLOTS_READ, "\n".join(names).encode(), []))
 
 
+def _whole_and_small(env: Any, max_bytes: int) -> bool:
+    """One inline buffer, all of it in this envelope, small, and within ``max_bytes``."""
+    sizes = env.buffer_sizes
+    if len(sizes) != 1 or env.shared_buffers:
+        return False
+    size = sizes[0]
+    return len(env.data) == size < _SMALL_FRAME_BYTES and size + len(env.payload) <= max_bytes
+
+
 def collect(
     assemblies: dict[int, Assembly],
     env: Any,
@@ -432,6 +441,10 @@ def collect(
         del assemblies[env.call_id]
     elif not env.buffer_sizes:
         return env, []
+    elif _whole_and_small(env, max_bytes):
+        # The common small message: its one buffer came whole in the header (copied out, so
+        # the tensor rebuilt over it owns writable memory, as Assembly's buffers).
+        return env, [memoryview(bytearray(env.data))]
     else:
         assembly = Assembly(env, max_bytes, release_slot)
         if not assembly.complete:
