@@ -228,11 +228,6 @@ def _grpc_poller_threads() -> list[threading.Thread]:
     ]
 
 
-def grpc_poller_alive() -> bool:
-    """Whether grpc.aio's poller thread runs in this process."""
-    return any(t.is_alive() for t in _grpc_poller_threads())
-
-
 def _grpc_aio_in_use() -> bool:
     """Whether any grpc.aio channel or server object still exists in this process (one that
     is not rpcdist's keeps grpc.aio, and its poller thread, running)."""
