@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar
@@ -334,17 +335,34 @@ def stop_callback_threads(timeout: float | None = None) -> None:
     """End the threads that run ``then`` callbacks (RPC shutdown and destroy_process_group call
     it; they are made again on next use). ``timeout``: seconds to wait for running callbacks,
     also of pools an earlier call stopped without waiting (None: do not wait)."""
+    stopper = _stop_callback_pools(wait=timeout is not None)
+    if stopper is not None:
+        stopper.join(timeout)
+
+
+async def stop_callback_threads_async(timeout: float = 5.0) -> None:
+    """:func:`stop_callback_threads` with a ``timeout``, for a running loop (polls; never
+    blocks the loop, which a callback's own RPC may still need)."""
+    stopper = _stop_callback_pools(wait=True)
+    deadline = time.monotonic() + timeout
+    while stopper is not None and stopper.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.002)
+
+
+def _stop_callback_pools(wait: bool) -> threading.Thread | None:
+    """Tell the callback pools to stop; with ``wait``, a started thread that ends once their
+    threads have (None: nothing to wait for)."""
     pools = list(_stopping)
     if _callback_pool.cache_info().currsize:
         pools.append(_callback_pool())
         _callback_pool.cache_clear()
     if not pools:
-        return
-    if timeout is None:
+        return None
+    if not wait:
         for pool in pools:
             pool.shutdown(wait=False)
-        _stopping[:] = pools  # a later call with a timeout waits for them
-        return
+        _stopping[:] = pools  # a later call that waits waits for them
+        return None
     _stopping.clear()
 
     def stop_all() -> None:
@@ -353,7 +371,7 @@ def stop_callback_threads(timeout: float | None = None) -> None:
 
     stopper = threading.Thread(target=stop_all, name="then-callbacks-stop", daemon=True)
     stopper.start()
-    stopper.join(timeout)
+    return stopper
 
 
 _CALLBACK_ERROR = "Got the following error when running the callback: "

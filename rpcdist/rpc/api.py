@@ -40,7 +40,7 @@ from rpcdist.agent.options import (
 )
 from rpcdist.autograd import _contexts as autograd_contexts
 from rpcdist.errors import RpcError
-from rpcdist.futures import Future, stop_callback_threads
+from rpcdist.futures import Future, stop_callback_threads, stop_callback_threads_async
 from rpcdist.rpc import elastic, profiling
 from rpcdist.rpc import rref as rrefs
 from rpcdist.rpc.profiling import function_name, profiled, profiling_key
@@ -200,10 +200,12 @@ async def shutdown_async(graceful: bool = True, timeout: float = 0) -> None:
     0 waits as long as the missing workers are alive (a worker that died ends the wait with a
     warning, never a hang). ``graceful=False`` closes at once.
     """
-    await _shutdown(graceful, timeout, wait_for_grpc_poller=True)
+    await _shutdown(graceful, timeout, wait_for_threads=True)
 
 
-async def _shutdown(graceful: bool, timeout: float, wait_for_grpc_poller: bool) -> None:
+async def _shutdown(graceful: bool, timeout: float, wait_for_threads: bool) -> None:
+    """``wait_for_threads``: return once rpcdist's threads (``then`` callbacks, grpc's poller)
+    have ended; the blocking form waits for them itself, after the loop has stopped."""
     agent = _agent
     if agent is None:
         return
@@ -277,10 +279,12 @@ async def _shutdown(graceful: bool, timeout: float, wait_for_grpc_poller: bool) 
         rrefs.detach()
         autograd_contexts.clear()
         autograd_contexts.set_worker_rank(-1)
-        stop_callback_threads()
         del agent  # (its servers and channels go with it: grpc's poller thread then ends)
-        if wait_for_grpc_poller:
+        if wait_for_threads:
+            await stop_callback_threads_async(timeout=5.0)  # their callbacks' RPCs have ended
             await wait_grpc_poller_gone_async()
+        else:
+            stop_callback_threads()  # (waited for by the blocking form, once the loop stopped)
 
 
 async def _close_quietly(agent: Agent) -> None:
@@ -301,8 +305,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         loop = agent.loop
         try:
             # The caller's references to the agent (and so its grpc objects) go only here, once
-            # the loop has stopped: the wait for grpc's poller thread comes after that.
-            call_blocking(loop, _shutdown(graceful, timeout, wait_for_grpc_poller=False))
+            # the loop has stopped: the waits for rpcdist's threads come after that.
+            call_blocking(loop, _shutdown(graceful, timeout, wait_for_threads=False))
         finally:
             stop_callback_threads(timeout=5.0)  # their callbacks' RPCs have all ended by now
             if _owns_loop:
