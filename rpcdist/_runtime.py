@@ -272,11 +272,16 @@ async def wait_grpc_poller_gone_async(timeout: float = 2.0) -> None:
     the garbage collection, when one is needed)."""
     pollers = _grpc_poller_threads()
     start = time.monotonic()
-    while any(t.is_alive() for t in pollers) and time.monotonic() - start < POLLER_GRACE_SECONDS:
-        await asyncio.sleep(0.002)
+    await threads_ended(pollers, start + POLLER_GRACE_SECONDS)
     if not _still_needed(pollers):
         return
-    while any(t.is_alive() for t in pollers) and time.monotonic() - start < timeout:
+    await threads_ended(pollers, start + timeout)
+
+
+async def threads_ended(threads: list[threading.Thread], until: float) -> None:
+    """Return once every one of ``threads`` has ended, or at ``until`` (``time.monotonic()``),
+    whichever comes first; polls, so the running loop goes on meanwhile."""
+    while any(t.is_alive() for t in threads) and time.monotonic() < until:
         await asyncio.sleep(0.002)
 
 

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from rpcdist._runtime import blocking_wait, match_torch_threads
+from rpcdist._runtime import blocking_wait, match_torch_threads, threads_ended
 from rpcdist.errors import BlockingCallError
 
 log = logging.getLogger(__name__)
@@ -344,9 +344,8 @@ async def stop_callback_threads_async(timeout: float = 5.0) -> None:
     """:func:`stop_callback_threads` with a ``timeout``, for a running loop (polls; never
     blocks the loop, which a callback's own RPC may still need)."""
     stopper = _stop_callback_pools(wait=True)
-    deadline = time.monotonic() + timeout
-    while stopper is not None and stopper.is_alive() and time.monotonic() < deadline:
-        await asyncio.sleep(0.002)
+    if stopper is not None:
+        await threads_ended([stopper], time.monotonic() + timeout)
 
 
 def _stop_callback_pools(wait: bool) -> threading.Thread | None:
