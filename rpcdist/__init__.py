@@ -10,6 +10,7 @@
     rpc.shutdown()
 """
 
+from rpcdist import _grpc_engine  # noqa: F401, I001 - first: it chooses gRPC's engine before grpc loads
 from torch.distributed import GradBucket
 
 from rpcdist import constants, errors, futures, rendezvous
