@@ -202,6 +202,14 @@ def verify_arange_and_echo(t: torch.Tensor) -> tuple[bool, torch.Tensor]:
     return bool(torch.equal(t, expected)), t
 
 
+def fill_value_and_warm_reuses(t: torch.Tensor) -> tuple[float, float, int]:
+    """On the callee: the smallest and largest element of ``t`` and how many received buffers
+    this process has served from kept memory so far (rpcdist.transport.warm)."""
+    from rpcdist.transport import warm
+
+    return float(t.min()), float(t.max()), warm.warm_buffers.reused
+
+
 def sleep_blocking(seconds: float) -> float:
     """Blocks a worker thread for ``seconds``."""
     global _active_blocking

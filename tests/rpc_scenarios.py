@@ -461,6 +461,21 @@ def _transport_checks() -> None:  # noqa: C901 - a list of independent checks
             for how, call in each_way(to, rf.echo, x):
                 assert_same(x, call(), f"{how} to {to}")
 
+    with check("large_buffers_reuse_kept_memory") as c:
+        # Received buffers of 32 MiB or more come from memory kept since the last such message
+        # was freed (over streams; shared memory does this its own way): every message still
+        # arrives with its own bytes, none of the previous one's.
+        reuses = []
+        for fill in (1.0, 2.0, 3.0):
+            x = torch.full(((40 << 20) // 4,), fill)
+            low, high, reused = rpc.rpc_sync("w1", rf.fill_value_and_warm_reuses, (x,), timeout=120)
+            assert low == high == fill, f"message filled with {fill} arrived with {low}..{high}"
+            reuses.append(reused)
+            y = rpc.rpc_sync("w1", rf.echo, (x,), timeout=120)  # and back: received here too
+            assert torch.equal(x, y), f"the tensor filled with {fill} came back different"
+            del x, y
+        c.value = reuses[-1] - reuses[0]  # kept blocks the callee used for the 2nd and 3rd
+
     with check("large_256mib"):
         n = (256 << 20) // 4
         x = torch.arange(n, dtype=torch.int32)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rpcdist.transport import warm
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -107,8 +109,6 @@ _SLOT_PREFIX = f"{_PREFIX}slot-"
 GIVEN = "+"  # marks a given slot's name in a message: the receiver names it back once done
 _GIVEN_SLOT_PREFIX = GIVEN + _SLOT_PREFIX
 KEEP_MIN_BYTES = 4 << 20  # a given slot this large becomes the received tensor's memory
-# glibc's largest dynamic mmap threshold on 64-bit: an allocation this size never reuses memory.
-_FRESH_MEMORY_BYTES = 32 << 20
 
 
 def is_slot(entry: str) -> bool:
@@ -288,7 +288,7 @@ class Borrowings:
     def copy(self, name: str, nbytes: int) -> memoryview:
         """A private, writable copy of the first ``nbytes`` of slot ``name``."""
         out = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes >= _FRESH_MEMORY_BYTES:
+        if nbytes >= warm.WARM_MIN_BYTES:
             # Memory this large is always new (glibc maps it afresh): the copy is spent in page
             # faults, which torch's threads take in parallel (64 MB: 20 ms instead of 36 ms).
             out.copy_(self.view(name, nbytes))

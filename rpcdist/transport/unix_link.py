@@ -16,10 +16,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from rpcdist._runtime import stray_cancellation, wait_for
 from rpcdist.security import ACCEPTED, HELLO_BYTES, REFUSED, VERDICT_BYTES, Security
+from rpcdist.transport import warm
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
 from rpcdist.transport.frames import FrameError
 from rpcdist.transport.grpc_link import GRPC_MESSAGE_LIMIT
@@ -35,8 +34,9 @@ _BIG_FRAME_BYTES = 64 << 10
 
 
 def _aligned_buffer(size: int) -> memoryview:
-    """Writable memory for one big frame, aligned as tensor memory is (see frames.align_data)."""
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    """Writable memory for one big frame, aligned as tensor memory is (see frames.align_data);
+    a tensor that arrives whole in it keeps it (warm when large: rpcdist.transport.warm)."""
+    return warm.receive_buffer(size)
 
 
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
