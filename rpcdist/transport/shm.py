@@ -288,7 +288,7 @@ class Borrowings:
     def copy(self, name: str, nbytes: int) -> memoryview:
         """A private, writable copy of the first ``nbytes`` of slot ``name``."""
         out = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes >= warm.WARM_MIN_BYTES:
+        if nbytes >= warm.GLIBC_MMAP_MAX:
             # Memory this large is always new (glibc maps it afresh): the copy is spent in page
             # faults, which torch's threads take in parallel (64 MB: 20 ms instead of 36 ms).
             out.copy_(self.view(name, nbytes))

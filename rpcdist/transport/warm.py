@@ -1,16 +1,17 @@
 """Memory for large received buffers, kept mapped after the tensors built over it are freed.
 
 A tensor that arrives over a stream (gRPC, TCP, or a Unix socket below the shared-memory
-threshold) is copied into memory of its own. glibc serves an allocation of 32 MB or more with a
-fresh mapping every time, and the copy into it faults every page in: on this VM a 64 MB copy
-took 32-49 ms into fresh memory and 7 ms into memory used before. So received buffers of
-``WARM_MIN_BYTES`` or more come from here: each is a block that goes back to a free list when the
-last tensor (or view) over it is freed, and the next message of about that size reuses it, its
-pages still in place. Smaller buffers are left to glibc, whose heap keeps them warm once a block
-of their size was freed.
+threshold) is copied into memory of its own. Memory that large is often new to the process:
+glibc maps every allocation of 32 MB or more afresh, and smaller ones too until a block of their
+size has been freed (or after a heap was trimmed), and the copy then faults every page in. On
+this VM a 64 MB copy took 32-49 ms into fresh memory and 7 ms into memory used before, and a
+16 MB call over gRPC took 9 ms in one run and 20 ms in the next, depending on glibc's state.
+So received buffers of ``WARM_MIN_BYTES`` or more come from here: each is a block that goes back
+to a free list when the last tensor (or view) over it is freed, and the next message of about
+that size reuses it, its pages still in place.
 
-glibc raises its thresholds (mmap 32 MB, trim 64 MB) the first time a block that large is freed;
-blocks kept here never are, and gRPC's 1 MB messages then went to fresh mappings, or a heap
+glibc raises its thresholds (mmap 32 MB, trim 64 MB) after freeing a block that large; blocks
+kept here never are freed, and gRPC's 1 MB chunks then went to fresh mappings, or to a heap
 trimmed after each, faulting their pages in at every chunk. So the first block made here sets
 those thresholds where glibc's own rule would have put them (``mallopt``; glibc only).
 
@@ -33,7 +34,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-WARM_MIN_BYTES = 32 << 20
+WARM_MIN_BYTES = 4 << 20
+"""Received buffers this large come from kept blocks."""
+
+GLIBC_MMAP_MAX = 32 << 20
 """glibc's largest dynamic mmap threshold on 64-bit: an allocation this size never reuses memory."""
 
 _M_TRIM_THRESHOLD = -1  # malloc.h
@@ -42,7 +46,7 @@ _M_MMAP_THRESHOLD = -3
 
 def settle_glibc_thresholds() -> bool:
     """Set glibc's mmap and trim thresholds to where its dynamic rule puts them once a block of
-    ``WARM_MIN_BYTES`` is freed; returns whether it did (False off glibc, or if refused)."""
+    ``GLIBC_MMAP_MAX`` is freed; returns whether it did (False off glibc, or if refused)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -50,8 +54,8 @@ def settle_glibc_thresholds() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    done = mallopt(_M_MMAP_THRESHOLD, WARM_MIN_BYTES) == 1
-    done = mallopt(_M_TRIM_THRESHOLD, 2 * WARM_MIN_BYTES) == 1 and done
+    done = mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_MAX) == 1
+    done = mallopt(_M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_MAX) == 1 and done
     if not done:
         log.debug("glibc refused the mmap/trim thresholds")
     return done
