@@ -76,6 +76,23 @@ def _covering_span(t: torch.Tensor) -> int:
     return reach + 1
 
 
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.float64: np.dtype(np.float64),
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.complex128: np.dtype(np.complex128),
+    torch.complex64: np.dtype(np.complex64),
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.int16: np.dtype(np.int16),
+    torch.int8: np.dtype(np.int8),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
+"""dtypes numpy knows: their CPU tensors ``Tensor.numpy()`` views without a copy, and a received
+one is rebuilt as numpy's view of its buffer (others, such as bfloat16, take torch's path)."""
+
+
 def rebuild_tensor(
     buffer: Buffer,
     dtype: torch.dtype,
@@ -89,6 +106,12 @@ def rebuild_tensor(
             # only an empty tensor travels without bytes: never allocate what a message claims
             raise SerializationError(f"a tensor of shape {shape} arrived without its data")
         t = torch.empty_strided(shape, strides, dtype=dtype)
+    elif (known := _NUMPY_DTYPES.get(dtype)) is not None:
+        # One numpy call (it checks that shape and strides stay inside the buffer): 1.0-1.5 us
+        # warm against 2.5-3.1 for torch's frombuffer -> view -> as_strided.
+        size = known.itemsize
+        byte_strides = tuple([stride * size for stride in strides])
+        t = torch.from_numpy(np.ndarray(shape, known, buffer, 0, byte_strides))
     else:
         flat = torch.frombuffer(buffer, dtype=torch.uint8)
         t = flat.view(dtype).as_strided(shape, strides)
@@ -114,23 +137,6 @@ def rebuild_sparse_coo(
     return t
 
 
-_NUMPY_VIEWABLE = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.complex128,
-        torch.complex64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    }
-)
-"""dtypes whose CPU tensors ``Tensor.numpy()`` views without a copy (others, such as bfloat16,
-take the general path)."""
 
 
 class _Pickler(pickle.Pickler):
@@ -150,7 +156,7 @@ class _Pickler(pickle.Pickler):
         if (
             t.is_cpu
             and t.layout is torch.strided
-            and t.dtype in _NUMPY_VIEWABLE
+            and t.dtype in _NUMPY_DTYPES
             and t.is_contiguous()
             and not (t.is_nested or t.is_conj() or t.is_neg())
         ):

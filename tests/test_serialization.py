@@ -55,3 +55,16 @@ def test_sending_never_copies_a_contiguous_tensor() -> None:
     _, buffers = serialization.dumps(sent)
     (buffer,) = buffers
     assert torch.frombuffer(buffer, dtype=torch.float32).data_ptr() == sent.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bfloat16])
+def test_a_received_tensor_is_its_buffers_memory_and_never_reaches_past_it(dtype: torch.dtype) -> None:
+    buffer = memoryview(bytearray(16 * 2))
+    rebuilt = serialization.rebuild_tensor(buffer, dtype, (2, 4), (1, 2), False, False)  # a transposed view
+    assert rebuilt.dtype == dtype and rebuilt.shape == (2, 4) and rebuilt.stride() == (1, 2)
+    rebuilt.fill_(1)  # writable, and the buffer's own memory (no copy)
+    assert bytes(buffer[: 8 * rebuilt.element_size()]) != bytes(8 * rebuilt.element_size())
+    with pytest.raises((ValueError, RuntimeError)):  # claims more elements than the buffer holds
+        serialization.rebuild_tensor(buffer, dtype, (64,), (1,), False, False)
+    with pytest.raises((ValueError, RuntimeError)):  # a stride that walks out of it
+        serialization.rebuild_tensor(buffer, dtype, (4,), (100,), False, False)
