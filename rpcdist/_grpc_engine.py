@@ -5,7 +5,7 @@ their own (an I/O thread, a callback thread, then grpc.aio's poller thread, whic
 event loop): a bare grpc.aio echo cost about 15 thread wake-ups per round trip in each process
 on a 2-core machine. With the two turned off, grpc.aio's poller thread polls the sockets itself:
 half the wake-ups, a round trip 137-192 µs instead of 205-297 µs, and rpcdist's gRPC path gained
-+12-40 % all-to-all throughput and +19 % PS training with 8 trainers (README, Transport).
+10-39 % more all-to-all throughput and 19 % more PS training with 8 trainers (README, Transport).
 
 So importing rpcdist sets ``GRPC_EXPERIMENTS=-event_engine_client,-event_engine_listener`` for
 the import of grpc only (it is removed again at once: other programs this process starts keep

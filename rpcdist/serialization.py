@@ -137,8 +137,6 @@ def rebuild_sparse_coo(
     return t
 
 
-
-
 class _Pickler(pickle.Pickler):
     _grad_reducer: GradReducer | None = None  # set per instance by dumps()
 
