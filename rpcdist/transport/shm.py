@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import logging
 import mmap
@@ -230,28 +231,6 @@ class SlotPool:
         remove(names)
 
 
-class _KeptSlot:
-    """The owner of a received tensor's memory that lives in a peer's given slot: when the
-    last tensor (or view) using it is freed, the slot goes back to its sender."""
-
-    def __init__(self, memory: torch.Tensor, name: str, release: Callable[[str], None]) -> None:
-        self._memory = memory  # keeps the mapping alive
-        self._name = name
-        self._release = release
-        self.__array_interface__ = {
-            "data": (memory.data_ptr(), False),
-            "shape": (memory.numel(),),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-    def __del__(self) -> None:
-        try:
-            self._release(self._name)
-        except Exception:  # noqa: BLE001 - at interpreter exit nobody is listening any more
-            pass
-
-
 class Borrowings:
     """A receiver's mappings of its peers' slots, by name (mapped once, file unlinked then:
     both sides hold mappings, so nothing is left behind if either dies)."""
@@ -282,7 +261,7 @@ class Borrowings:
         """The first ``nbytes`` of given slot ``name`` as memory of a received buffer (no
         copy); ``release(name)`` runs once nothing uses it any more (from whichever thread
         drops the last reference)."""
-        owner = _KeptSlot(self.view(name, nbytes), name, release)
+        owner = warm.OwnedMemory(self.view(name, nbytes), nbytes, functools.partial(release, name))
         return memoryview(np.asarray(owner))
 
     def copy(self, name: str, nbytes: int) -> memoryview:

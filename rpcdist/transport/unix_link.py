@@ -32,13 +32,6 @@ _LENGTH = struct.Struct("<Q")
 _STAGING_BYTES = 256 << 10
 _BIG_FRAME_BYTES = 64 << 10
 
-
-def _aligned_buffer(size: int) -> memoryview:
-    """Writable memory for one big frame, aligned as tensor memory is (see frames.align_data);
-    a tensor that arrives whole in it keeps it (warm when large: rpcdist.transport.warm)."""
-    return warm.receive_buffer(size)
-
-
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 
 
@@ -234,7 +227,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
                 raise FrameError(f"frame of {length} bytes is above the {GRPC_MESSAGE_LIMIT} limit")
             available = self._end - start - 8
             if length >= _BIG_FRAME_BYTES:
-                big = _aligned_buffer(length)
+                big = warm.receive_buffer(length)  # aligned as tensor memory (frames.align_data)
                 have = min(available, length)
                 big[:have] = staged[start + 8 : start + 8 + have]
                 self._start = start + 8 + have

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -77,24 +79,25 @@ def size_class(size: int) -> int:
     return -(-size // step) * step
 
 
-class _Block:
-    """Owns one block's memory while tensors use it (``np.asarray`` of it is their buffer);
-    when the last of them is freed, the memory goes back to its pool."""
+class OwnedMemory:
+    """The owner of memory that tensors are built over (``np.asarray`` of it is their buffer;
+    ``memory`` is kept alive meanwhile): when the last tensor or view using it is freed,
+    ``on_free()`` runs, from whichever thread dropped it."""
 
-    def __init__(self, pool: WarmBuffers, memory: torch.Tensor, size: int) -> None:
-        self._pool = pool
+    def __init__(self, memory: torch.Tensor, nbytes: int, on_free: Callable[[], None]) -> None:
         self._memory = memory
+        self._on_free = on_free
         self.__array_interface__ = {
             "data": (memory.data_ptr(), False),
-            "shape": (size,),
+            "shape": (nbytes,),
             "typestr": "|u1",
             "version": 3,
         }
 
     def __del__(self) -> None:
         try:
-            self._pool._give_back(self._memory)
-        except Exception:  # noqa: BLE001 - at interpreter exit the pool may be gone
+            self._on_free()
+        except Exception:  # noqa: BLE001 - at interpreter exit nobody is listening any more
             pass
 
 
@@ -133,7 +136,7 @@ class WarmBuffers:
                 self._settled = True
                 settle_glibc_thresholds()
             memory = torch.empty(block_size, dtype=torch.uint8)
-        return memoryview(np.asarray(_Block(self, memory, size)))
+        return memoryview(np.asarray(OwnedMemory(memory, size, functools.partial(self._give_back, memory))))
 
     def _give_back(self, memory: torch.Tensor) -> None:
         block_size = memory.numel()
