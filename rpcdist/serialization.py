@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import copyreg
 import importlib
 import io
 import pickle
@@ -92,21 +93,38 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
 """dtypes numpy knows: their CPU tensors ``Tensor.numpy()`` views without a copy, and a received
 one is rebuilt as numpy's view of its buffer (others, such as bfloat16, take torch's path)."""
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: str(dtype).removeprefix("torch.") for dtype in _NUMPY_DTYPES}
+_BY_NAME: dict[str, tuple[torch.dtype, np.dtype]] = {
+    name: (dtype, _NUMPY_DTYPES[dtype]) for dtype, name in _DTYPE_NAMES.items()
+}
+
 
 def rebuild_tensor(
     buffer: Buffer,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     shape: tuple[int, ...],
     strides: tuple[int, ...],
     requires_grad: bool,
     parameter: bool,
 ) -> torch.Tensor:
+    """The tensor a sender's :func:`dumps` described, over ``buffer`` (its memory, no copy).
+
+    ``dtype`` is a torch dtype, or the name of one numpy knows too ("float32"): the common
+    case travels as a name, a string in the stream, where a dtype object would be a global
+    that pickling and unpickling each look up through the import system."""
+    if type(dtype) is str:
+        named = _BY_NAME.get(dtype)
+        if named is None:
+            raise SerializationError(f"a tensor arrived with an unknown dtype {dtype!r}")
+        dtype, known = named
+    else:
+        known = _NUMPY_DTYPES.get(dtype)
     if len(memoryview(buffer)) == 0:
         if 0 not in tuple(shape):
             # only an empty tensor travels without bytes: never allocate what a message claims
             raise SerializationError(f"a tensor of shape {shape} arrived without its data")
         t = torch.empty_strided(shape, strides, dtype=dtype)
-    elif (known := _NUMPY_DTYPES.get(dtype)) is not None:
+    elif known is not None:
         # One numpy call (it checks that shape and strides stay inside the buffer): 1.0-1.5 us
         # warm against 2.5-3.1 for torch's frombuffer -> view -> as_strided.
         size = known.itemsize
@@ -139,6 +157,10 @@ def rebuild_sparse_coo(
 
 class _Pickler(pickle.Pickler):
     _grad_reducer: GradReducer | None = None  # set per instance by dumps()
+    # The table pickle uses anyway. Named here, the pickler's construction finds it instead
+    # of formatting an AttributeError for its absence (a few µs of every message on a worker
+    # that just woke).
+    dispatch_table = copyreg.dispatch_table
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -154,7 +176,7 @@ class _Pickler(pickle.Pickler):
         if (
             t.is_cpu
             and t.layout is torch.strided
-            and t.dtype in _NUMPY_DTYPES
+            and (dtype_name := _DTYPE_NAMES.get(t.dtype)) is not None
             and t.is_contiguous()
             and not (t.is_nested or t.is_conj() or t.is_neg())
         ):
@@ -164,7 +186,7 @@ class _Pickler(pickle.Pickler):
             data = t.detach() if t.requires_grad else t
             args = (
                 pickle.PickleBuffer(data.numpy()),
-                t.dtype,
+                dtype_name,
                 tuple(t.shape),
                 t.stride(),
                 t.requires_grad,

@@ -3,10 +3,14 @@ its dtype, shape, requires_grad and class, and only its own elements travel."""
 
 from __future__ import annotations
 
+import pickle
+import pickletools
+
 import pytest
 import torch
 
 from rpcdist import serialization
+from rpcdist.errors import RestrictedError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,3 +72,24 @@ def test_a_received_tensor_is_its_buffers_memory_and_never_reaches_past_it(dtype
         serialization.rebuild_tensor(buffer, dtype, (64,), (1,), False, False)
     with pytest.raises((ValueError, RuntimeError)):  # a stride that walks out of it
         serialization.rebuild_tensor(buffer, dtype, (4,), (100,), False, False)
+
+
+def test_a_common_tensor_names_its_dtype_as_data_not_as_a_global() -> None:
+    """Each global in a stream is an import-system lookup on both sides: the dtype of a
+    tensor numpy knows travels as a name, and an unknown name is refused, never guessed."""
+    payload, buffers = serialization.dumps(torch.randn(4, 3))
+    globals_named = [
+        arg for op, arg, _ in pickletools.genops(payload) if op.name in ("STACK_GLOBAL", "GLOBAL")
+    ]
+    strings = [arg for op, arg, _ in pickletools.genops(payload) if "UNICODE" in op.name]
+    assert "float32" in strings and "torch" not in strings and len(globals_named) == 1  # rebuild_tensor
+
+    class Claim:
+        def __reduce__(self) -> object:
+            return (serialization.rebuild_tensor, (bytearray(16), "float33", (4,), (1,), False, False))
+
+    claim = Claim()
+    with pytest.raises(serialization.SerializationError, match="unknown dtype 'float33'"):
+        serialization.loads(pickle.dumps(claim, protocol=5))
+    with pytest.raises(RestrictedError):
+        serialization.loads(pickle.dumps(claim, protocol=5), restricted=True)

@@ -336,3 +336,38 @@ def test_a_loop_turns_messages_go_out_at_once_in_one_write() -> None:
         await writer.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_every_header_field_reads_back_as_sent_or_as_its_default(rank: int) -> None:
+    """The encoder names only the fields that differ from their defaults (a response has no
+    function, timeout or rank): each one still reads back as it was sent."""
+    buffer = memoryview(bytearray(b"tensor bytes"))
+    raw = b"".join(
+        piece
+        for entry in [
+            *frames.encode_message(5, frames.RESPONSE, b"result", []),
+            *frames.encode_message(
+                6, frames.REQUEST, b"call", [buffer], timeout_seconds=2.5, function="mod.f", caller_rank=rank
+            ),
+            *frames.encode_message(7, frames.REQUEST, b"", [], shared=()),
+        ]
+        for piece in entry
+    )
+    got = [
+        (
+            e.call_id,
+            e.kind,
+            bytes(e.payload),
+            list(e.buffer_sizes),
+            e.timeout_seconds,
+            e.function,
+            e.caller_rank,
+        )
+        for e in frames.decode_frame(raw)
+    ]
+    assert got == [
+        (5, frames.RESPONSE, b"result", [], 0.0, "", 0),
+        (6, frames.REQUEST, b"call", [len(buffer)], 2.5, "mod.f", rank),
+        (7, frames.REQUEST, b"", [], 0.0, "", 0),
+    ]
