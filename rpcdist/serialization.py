@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import builtins
 import collections
-import copyreg
 import importlib
 import io
 import pickle
@@ -157,10 +156,6 @@ def rebuild_sparse_coo(
 
 class _Pickler(pickle.Pickler):
     _grad_reducer: GradReducer | None = None  # set per instance by dumps()
-    # The table pickle uses anyway. Named here, the pickler's construction finds it instead
-    # of formatting an AttributeError for its absence (a few µs of every message on a worker
-    # that just woke).
-    dispatch_table = copyreg.dispatch_table
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
