@@ -219,8 +219,9 @@ def encode_message(
     sizes = [len(b) for b in buffers]
     if any(shared):
         buffers = [b for b, name in zip(buffers, shared, strict=True) if not name]
-    # Only the fields that differ from their defaults: each one given costs the constructor
-    # as much as setting it (a response names no function, timeout or rank).
+    # The fields most messages leave at their defaults are given only when set: each one
+    # given costs the constructor as much as setting it (a response names no function,
+    # timeout or rank), and the bytes are the same either way.
     fields: dict[str, Any] = {"call_id": call_id, "kind": kind, "payload": payload}
     if sizes:
         fields["buffer_sizes"] = sizes
