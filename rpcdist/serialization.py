@@ -210,7 +210,7 @@ class _Pickler(pickle.Pickler):
         raw = span.view(torch.uint8) if span.dtype != torch.uint8 else span
         args = (
             pickle.PickleBuffer(raw.numpy()),
-            t.dtype,
+            _DTYPE_NAMES.get(t.dtype, t.dtype),  # a name where numpy knows it, as above
             tuple(data.shape),
             tuple(data.stride()),
             t.requires_grad,

@@ -217,7 +217,8 @@ def encode_message(
     Entries are made lazily, so a 1 GiB tensor is never copied whole into a queue.
     """
     sizes = [len(b) for b in buffers]
-    if any(shared):
+    any_shared = any(shared)
+    if any_shared:
         buffers = [b for b, name in zip(buffers, shared, strict=True) if not name]
     # The fields most messages leave at their defaults are given only when set: each one
     # given costs the constructor as much as setting it (a response names no function,
@@ -231,7 +232,7 @@ def encode_message(
         fields["function"] = function
     if caller_rank:
         fields["caller_rank"] = caller_rank
-    if any(shared):
+    if any_shared:
         fields["shared_buffers"] = shared
     header = agent_pb2.Envelope(**fields).SerializeToString()
     total = sum(len(b) for b in buffers)
