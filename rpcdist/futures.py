@@ -115,7 +115,7 @@ class Future(torch.futures.Future[T]):
     releases the GIL, and on a busy process that is a thread switch per completed call.
     """
 
-    __slots__ = ("_state", "_result", "_error", "_callbacks", "_waiter", "_torch_side", "_loop_hint")
+    __slots__ = ("_state", "_result", "_error", "_callbacks", "_waiter", "_torch_side", "_loop_hint", "_pull")
 
     def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None, devices: Any = None) -> None:
         if devices:
@@ -130,6 +130,9 @@ class Future(torch.futures.Future[T]):
         self._torch_side = False  # torch's C++ side is completed too (see torch_future)
         # The loop whose thread completes this future, so wait() there can refuse to deadlock.
         self._loop_hint = loop
+        # Set on a call answered on a reply channel: what the first wait() runs to read the
+        # answer on its own thread (pull(timeout); see rpcdist.transport.reply_channel).
+        self._pull: Callable[[float | None], None] | None = None
 
     # -- completing ----------------------------------------------------------------------------
     def set_result(self, result: T) -> None:
@@ -221,6 +224,8 @@ class Future(torch.futures.Future[T]):
                 raise BlockingCallError(
                     "Future.wait() on the rpcdist event loop would block it forever; use `await future`"
                 )
+            if self._pull is not None:
+                self._pulled(timeout)
             with _state_lock:
                 waiter = self._waiter
                 if waiter is None and self._state == _PENDING:
@@ -233,6 +238,13 @@ class Future(torch.futures.Future[T]):
                     raise TimeoutError(f"Future not complete after {timeout} s")
                 waiter.release()  # the next blocked thread, if any, goes on too
         return self.value()
+
+    def _pulled(self, timeout: float | None) -> None:
+        """Read this future's answer on this thread, if no other thread does (see ``_pull``)."""
+        with _state_lock:
+            pull, self._pull = self._pull, None
+        if pull is not None and self._state == _PENDING:
+            pull(timeout)
 
     # -- chaining ---------------------------------------------------------------------------------
     def _on_done(self, callback: Callable[[Future[T]], None]) -> None:
@@ -515,5 +527,10 @@ def collect_all(futures: Iterable[torch.futures.Future[Any]]) -> Future[list[Any
 def wait_all(futures: Iterable[torch.futures.Future[Any]], timeout: float | None = None) -> list[Any]:
     """Wait for every future; returns their values (raises the first failure, as torch's)."""
     futures = list(futures)
-    collect_all(futures).wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for fut in futures:  # answers this thread reads itself (rpcdist's internal waits)
+        if type(fut) is Future and fut._pull is not None:
+            fut._pulled(None if deadline is None else deadline - time.monotonic())
+    if not all(fut.done() for fut in futures):  # (all done already: the common case above)
+        collect_all(futures).wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
     return [fut.wait() for fut in futures]

@@ -526,3 +526,14 @@ def die_in(seconds: float) -> int:
 
     threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
     return os.getpid()
+
+
+def open_reply_channels(caller_rank: int) -> int:
+    """On a callee: how many reply channels ``caller_rank`` has open to this worker."""
+    agent = rpc_api.current_agent()
+    return sum(1 for rank, _ in agent.transport._reply_channels if rank == caller_rank)
+
+
+def ramp(n: int, offset: float) -> torch.Tensor:
+    """``offset + arange(n)`` as float32 (a result of any size, checkable element by element)."""
+    return torch.arange(n, dtype=torch.float32) + offset

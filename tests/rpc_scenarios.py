@@ -1517,3 +1517,84 @@ def etcd_job_through_member_loss(
     dist.destroy_process_group()
     rpc.shutdown()  # its barrier goes through the cluster too
     return {"rounds": rounds, "rounds_after_kill": rounds - (killed_at or rounds), "adds": adds}
+
+
+# ============================================================================ reply channels
+def reply_channels(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    init(rank, world_size, init_method, **opts)
+    if rank == 0:
+        _reply_channel_checks()
+    finish(rank, world_size)
+
+
+def _reply_channel_checks() -> None:  # noqa: C901 - a list of independent checks
+    agent = rpc_api.current_agent()
+
+    with check("channel/answers_without_the_loop") as c:
+        # A co-located callee answers rpc_sync on a reply channel the waiting thread reads:
+        # the call completes while this worker's event loop is busy (blocked here for 10 s).
+        assert rpc.rpc_sync("w1", rf.whoami, timeout=CALL_TIMEOUT) == "w1"  # link and channel open
+        loop_free = threading.Event()
+        blocked = threading.Event()
+
+        def block_the_loop() -> None:
+            blocked.set()
+            time.sleep(10.0)
+            loop_free.set()
+
+        agent.loop.call_soon_threadsafe(block_the_loop)
+        assert blocked.wait(CALL_TIMEOUT)
+        got = rpc.rpc_sync("w1", rf.add, (torch.ones(3), 2), timeout=CALL_TIMEOUT)
+        c.value = answered_while_blocked = not loop_free.is_set()
+        assert torch.equal(got, torch.full((3,), 3.0))
+        assert answered_while_blocked, "the answer waited for the caller's event loop"
+        assert loop_free.wait(CALL_TIMEOUT)
+        assert rpc.rpc_sync("w1", rf.open_reply_channels, (0,), timeout=CALL_TIMEOUT) >= 1
+
+    with check("channel/timeout_then_next_answers") as c:
+        # A call that times out on its channel raises RpcTimeoutError naming the worker and the
+        # function; its late answer never reaches a later call.
+        with raises(RpcTimeoutError) as r:
+            rpc.rpc_sync("w1", rf.sleep_blocking, (3.0,), timeout=1.0)
+        text = full_text(r.value)
+        assert "w1" in text and "sleep_blocking" in text and "1 s" in text, text
+        for i in range(5):
+            assert rpc.rpc_sync("w1", rf.echo, (i,), timeout=CALL_TIMEOUT) == i
+        time.sleep(3.0)  # the late answer is due by now
+        for i in range(5):
+            assert rpc.rpc_sync("w1", rf.echo, (("after", i),), timeout=CALL_TIMEOUT) == ("after", i)
+        c.value = True
+
+    with check("channel/threads_get_their_own_answers") as c:
+        # 8 threads, 40 calls each, each waiting on a channel of its own.
+        errors: list[str] = []
+
+        def caller(tid: int) -> None:
+            for i in range(40):
+                got = rpc.rpc_sync("w1", rf.echo, ((tid, i),), timeout=CALL_TIMEOUT)
+                if got != (tid, i):
+                    errors.append(f"thread {tid} call {i} got {got!r}")
+
+        threads = [threading.Thread(target=caller, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(CALL_TIMEOUT)
+        assert not errors, errors[:5]
+        c.value = rpc.rpc_sync("w1", rf.open_reply_channels, (0,), timeout=CALL_TIMEOUT)
+        assert 1 <= c.value <= 9, c.value  # one per thread waiting at once, reused after
+
+    with check("channel/large_results") as c:
+        # Results of every size come back whole on a channel: inline, big frames, shared slots.
+        for n in (1, 1000, 20_000, 300_000, 4_000_000):
+            for offset in (0.5, 7.0):
+                got = rpc.rpc_sync("w1", rf.ramp, (n, offset), timeout=CALL_TIMEOUT)
+                assert got.shape == (n,) and float(got[0]) == offset and float(got[-1]) == n - 1 + offset
+        c.value = True
+
+    with check("channel/remote_error") as c:
+        # An error raised by the callee comes back on the channel with its type and traceback.
+        with raises(ValueError, match="bad value") as r:
+            rpc.rpc_sync("w1", rf.raise_value_error, ("bad value",), timeout=CALL_TIMEOUT)
+        c.value = full_text(r.value)
+        assert "raise_value_error" in c.value

@@ -103,6 +103,23 @@ class InboundSession:
         self._idle.wake_if_empty()
 
 
+class _AnsweredOnChannel:
+    """A session as seen by one call whose caller named a reply channel: answers go to the
+    channel's writer (see ``rpcdist.transport.reply_channel``); the rest is the session's."""
+
+    __slots__ = ("_session", "writer")
+
+    def __init__(self, session: InboundSession, writer: FrameWriter) -> None:
+        self._session = session
+        self.writer = writer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def respond(self, entries: Entries) -> None:
+        self.writer.send(entries)
+
+
 class _ThreadJob:
     """A blocking user function queued on the worker pool; skipped if cancelled before start."""
 
@@ -171,6 +188,10 @@ class Callee:
             session.identify(header.caller_rank)
         if metrics.current is not None:
             session.arrivals[call_id] = time.perf_counter()
+        if header.reply_channel:
+            writer = self.agent.transport.reply_writer(header.caller_rank, header.reply_channel)
+            if writer is not None:  # (else closed meanwhile: the caller gave up waiting there)
+                session = _AnsweredOnChannel(session, writer)  # type: ignore[assignment]
         try:
             if isinstance(buffers, Exception):
                 raise buffers

@@ -9,14 +9,17 @@ of the link fails every call pending on it with WorkerUnavailableError.
 A small call that a thread other than the loop's waits for at once (rpc_sync), to a peer whose
 socket link is open and idle, is written by that thread itself (see ``FrameWriter.write_now``):
 the loop is not woken to send it. Its timeout is then kept by a sweep on the loop (every
-``SWEEP_SECONDS`` while such calls are pending) instead of a timer of its own, so only timeouts
-of at least ``DIRECT_MIN_TIMEOUT`` seconds (or none) take this path.
+``SWEEP_SECONDS`` while such calls are pending, and for ``SWEEP_LINGER_SECONDS`` after the last
+one was sent, so that a stream of them does not wake the loop to restart it at each call)
+instead of a timer of its own, so only timeouts of at least ``DIRECT_MIN_TIMEOUT`` seconds (or
+none) take this path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import threading
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rpcdist import metrics, serialization
+from rpcdist._runtime import blocking_wait
 from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.extensions import run_undo
 from rpcdist.agent.options import WorkerInfo
@@ -39,6 +43,7 @@ from rpcdist.errors import (
 )
 from rpcdist.futures import Future
 from rpcdist.transport import Link, LinkHandler, frames, shm
+from rpcdist.transport.reply_channel import ChannelClosed, ReplyChannel
 from rpcdist.transport.writer import DIRECT_MAX_BYTES
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ if TYPE_CHECKING:
     from rpcdist.agent.core import Agent
 
 SWEEP_SECONDS = 0.1
+SWEEP_LINGER_SECONDS = 2.0
 # Tensors in a notice travel inside the message (nothing answers, so no shared-memory slot
 # could be handed back): for small ones, such as a collective's latency-bound messages.
 NOTICE_MAX_BUFFER_BYTES = 1 << 20
@@ -86,6 +92,7 @@ class OutgoingCall:
         "sent",
         "metric",
         "deadline",
+        "channel",
     )
 
     def __init__(
@@ -111,6 +118,7 @@ class OutgoingCall:
         self.sent = False  # on the wire (counted in the peer's in-flight calls)
         self.metric: metrics.CallTimer | None = None  # set while metrics are on
         self.deadline = 0.0  # time.monotonic() it times out at, when the sweep keeps its timeout
+        self.channel: ReplyChannel | None = None  # where its waiting thread reads the answer
 
 
 class Caller(LinkHandler):
@@ -130,6 +138,7 @@ class Caller(LinkHandler):
         # Guards in_flight and the sweep's state against threads sending calls themselves.
         self._lock = threading.Lock()
         self._sweeping = False  # the sweep of deadlines runs (or is about to)
+        self._last_direct = 0.0  # time.monotonic() a thread last sent a call itself
         self._idle = EmptyWaiter(self.pending)  # wait_idle() waits for the calls in flight
 
     # ------------------------------------------------------------------ sending
@@ -143,6 +152,7 @@ class Caller(LinkHandler):
         *,
         function_name: str | None = None,
         waited: bool = False,
+        pulled: bool = False,
     ) -> Future[Any]:
         """Send a call from any thread; returns its Future. Raises at once on bad input.
 
@@ -150,7 +160,12 @@ class Caller(LinkHandler):
         backward pass), or such calls rarely come in bursts (remote()): a small one to an idle
         peer may be written right here, without waking the loop. Other calls (rpc_async,
         often many at once) go through the loop, whose writer packs many into one write: a
-        burst whose first call went alone costs both sides an extra round of wake-ups."""
+        burst whose first call went alone costs both sides an extra round of wake-ups.
+
+        ``pulled`` (with ``waited``): the calling thread calls the Future's ``wait()`` next
+        (or ``futures.wait_all`` with it), and nothing else waits for it: a co-located
+        callee may then answer on a reply channel this thread reads itself in ``wait()``
+        (see ``rpcdist.transport.reply_channel``). Never for a Future that reaches users."""
         agent = self._agent
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
@@ -174,11 +189,11 @@ class Caller(LinkHandler):
                 agent.inbox.post(lambda: self._start(call))
             else:
                 self._start(call)
-        elif not (waited and self._send_from_thread(call)):
+        elif not (waited and self._send_from_thread(call, pulled)):
             agent.inbox.post(lambda: self._start(call))
         return future
 
-    def _send_from_thread(self, call: OutgoingCall) -> bool:
+    def _send_from_thread(self, call: OutgoingCall, pulled: bool = False) -> bool:
         """Write ``call`` from this (non-loop) thread if its link is open with nothing queued,
         nothing this process submitted waits for the loop, the peer has room for it, and it is
         small; False: nothing was done. (Only calls their thread waits for next come here:
@@ -196,29 +211,40 @@ class Caller(LinkHandler):
         link = self._direct_link(rank)
         if link is None:
             return False
+        channel = agent.transport.take_reply_channel(rank, agent.info.id) if pulled else None
         call.call_id = call_id = next(self._call_ids)
-        entries = list(self._encode(call))
+        entries = list(self._encode(call, channel.id if channel is not None else 0))
         with self._lock:
             if self.waiting.get(rank) or self.in_flight.get(rank, 0) >= room:  # (again, now it counts)
+                if channel is not None:
+                    agent.transport.give_back_reply_channel(channel)
                 return False
             if timeout > 0:
-                call.deadline = time.monotonic() + timeout
+                self._last_direct = now = time.monotonic()
+                call.deadline = now + timeout
             call.sent = True
             self.pending[call_id] = call
             self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
             wake_sweep = timeout > 0 and not self._sweeping
             if wake_sweep:
                 self._sweeping = True
+            if channel is not None:
+                call.channel = channel  # (before the answer can come: the loop may see it)
         if not link.writer.write_now(entries):
             with self._lock:
                 del self.pending[call_id]
                 self.in_flight[rank] -= 1
                 call.sent = False
                 call.deadline = 0.0
+                call.channel = None
+            if channel is not None:
+                agent.transport.give_back_reply_channel(channel)
             if wake_sweep:
                 agent.loop.call_soon_threadsafe(self._sweep)  # it stops itself if nothing is left
             return False
         call.payload, call.buffers = b"", []  # on the wire
+        if channel is not None:
+            call.future._pull = functools.partial(self._pull, call)
         if wake_sweep:
             agent.loop.call_soon_threadsafe(self._sweep)
         return True
@@ -235,7 +261,9 @@ class Caller(LinkHandler):
         for call_id in expired:
             self._expire(call_id)
         with self._lock:
-            self._sweeping = any(call.deadline > 0 for call in list(self.pending.values()))
+            self._sweeping = now - self._last_direct < SWEEP_LINGER_SECONDS or any(
+                call.deadline > 0 for call in list(self.pending.values())
+            )
             if not self._sweeping:
                 return
         self._agent.loop.call_later(SWEEP_SECONDS, self._sweep)
@@ -369,7 +397,7 @@ class Caller(LinkHandler):
             call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
         self._send(link, call)
 
-    def _encode(self, call: OutgoingCall) -> Any:
+    def _encode(self, call: OutgoingCall, reply_channel: int = 0) -> Any:
         agent = self._agent
         return frames.encode_message(
             call.call_id,
@@ -381,6 +409,7 @@ class Caller(LinkHandler):
             function=call.function,
             caller_rank=agent.info.id,
             shared=call.shared,
+            reply_channel=reply_channel,
         )
 
     def _send(self, link: Link, call: OutgoingCall) -> None:
@@ -395,12 +424,19 @@ class Caller(LinkHandler):
         if not call.sent:
             return
         rank = call.dest.id
+        self._free_place(rank)
+        self._send_waiting(rank)
+
+    def _free_place(self, rank: int) -> None:
         with self._lock:
             count = self.in_flight.get(rank, 1) - 1
             if count > 0:
                 self.in_flight[rank] = count
             else:
                 self.in_flight.pop(rank, None)
+
+    def _send_waiting(self, rank: int) -> None:
+        """Send the calls (and notices) waiting for a place on ``rank``, as places allow (loop)."""
         queue = self.waiting.get(rank)
         if not queue or self._agent.closing:
             return
@@ -458,6 +494,8 @@ class Caller(LinkHandler):
         call = self.pending.pop(call_id, None)
         if call is None:
             return
+        if call.channel is not None:
+            call.channel.interrupt()  # its thread reads no more: the call has failed
         self._drop_shared(call)
         if call.timer is not None:
             call.timer.cancel()
@@ -498,30 +536,91 @@ class Caller(LinkHandler):
             call = self.pending.pop(header.call_id, None)
             if call is None:
                 continue  # timed out or cancelled meanwhile
+            if call.channel is not None:
+                call.channel.interrupt()  # answered here after all (the channel had closed)
             if call.lent:
                 agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read them
             if call.timer is not None:
                 call.timer.cancel()
             self._ended(call)
             self._idle.wake_if_empty()
-            if isinstance(buffers, Exception):
+            self._settle(call, header, buffers)
+
+    def _settle(self, call: OutgoingCall, header: Any, buffers: list[memoryview] | Exception) -> None:
+        """Complete ``call`` (no longer pending) with its answer."""
+        agent = self._agent
+        if isinstance(buffers, Exception):
+            self._complete(call, None, RpcError(f"cannot receive the result of {call.function}: {buffers}"))
+        elif header.kind == frames.RESPONSE:
+            try:
+                result = agent.decode(header.payload, buffers)
+            except Exception as exc:
                 self._complete(
-                    call, None, RpcError(f"cannot receive the result of {call.function}: {buffers}")
+                    call, None, SerializationError(f"cannot unpickle the result of {call.function}: {exc}")
                 )
-            elif header.kind == frames.RESPONSE:
-                try:
-                    result = agent.decode(header.payload, buffers)
-                except Exception as exc:
-                    self._complete(
-                        call,
-                        None,
-                        SerializationError(f"cannot unpickle the result of {call.function}: {exc}"),
-                    )
-                    continue
-                self._complete(call, result, None)
-            else:
-                error = rebuild_error(header.payload, buffers, call.function, call.dest.name, agent.decode)
-                self._complete(call, None, error)
+                return
+            self._complete(call, result, None)
+        else:
+            error = rebuild_error(header.payload, buffers, call.function, call.dest.name, agent.decode)
+            self._complete(call, None, error)
+
+    def _pull(self, call: OutgoingCall, timeout: float | None) -> None:
+        """In ``Future.wait()`` of a call answered on its reply channel: read the answer on
+        this thread and complete the call (no loop, no second wake-up). Returns early, the
+        call still pending, if ``timeout`` (seconds) or the call's deadline passes first: the
+        wait and the call's own timeout carry on as for any call. If the call ends another
+        way meanwhile (failed, timed out, its peer lost), the channel is interrupted."""
+        channel = call.channel
+        assert channel is not None
+        agent = self._agent
+        deadline = call.deadline or None
+        if timeout is not None:
+            deadline = min(deadline or float("inf"), time.monotonic() + max(timeout, 0.0))
+        max_bytes = agent.options.max_payload_bytes
+        try:
+            with blocking_wait():  # (a worker-pool thread lends its running place meanwhile)
+                while True:
+                    raw = channel.read_frame(deadline)
+                    if raw is None:
+                        channel.close()  # its answer may still come there: never reused
+                        return
+                    if not raw:
+                        continue
+                    for env in frames.decode_frame(raw):
+                        message = frames.collect(channel.assemblies, env, max_bytes, self._slots_read(call))
+                        if message is not None and message[0].call_id == call.call_id:
+                            self._answered(call, *message)
+                            agent.transport.give_back_reply_channel(channel)
+                            return
+        except (ChannelClosed, frames.FrameError) as exc:
+            channel.close()
+            if call.future.done():  # ended another way, which interrupted the channel
+                return
+            error = WorkerDiedError(
+                f"worker {call.dest.name} is gone: its answer to {call.function} cannot arrive ({exc})"
+            )
+            agent.on_loop(lambda: self.fail(call.call_id, error), sends=False)
+
+    def _slots_read(self, call: OutgoingCall) -> Any:
+        """Tells the callee of ``call`` when we are done with its results' slots (on the link)."""
+        link = self._agent.transport.existing_link(call.dest.id)
+        if link is None:
+            return None
+        slots_read = link.slots_read
+        if slots_read is None:
+            slots_read = link.slots_read = frames.SlotsReadNotices(self._agent.loop, link.writer)
+        return slots_read
+
+    def _answered(self, call: OutgoingCall, header: Any, buffers: list[memoryview] | Exception) -> None:
+        """``call``'s answer, read by its waiting thread: complete it as ``on_frame`` does."""
+        if self.pending.pop(call.call_id, None) is None:
+            return  # failed or timed out meanwhile
+        call.channel = None
+        self._free_place(call.dest.id)
+        if self.waiting.get(call.dest.id):
+            self._agent.on_loop(lambda: self._send_waiting(call.dest.id))
+        self._idle.wake_if_empty()
+        self._settle(call, header, buffers)
 
     @staticmethod
     def _complete(call: OutgoingCall, result: Any, error: BaseException | None) -> None:

@@ -203,10 +203,13 @@ def local_pass_here(
     the local graph, and what the passes it starts hand back, run right here, with no hop to
     the loop and the pool and back; the loop only carries the gradients that go to other
     workers."""
-    passes = pass_on(agent, context, _gradients_at_root(context, outputs, grad_outputs))
+    passes = pass_on(agent, context, _gradients_at_root(context, outputs, grad_outputs), pulled=True)
     while passes:
         handed = wait_all(passes)
-        passes = pass_on(agent, context, _handed_gradients(context, _joined(handed))) if any(handed) else []
+        if any(handed):
+            passes = pass_on(agent, context, _handed_gradients(context, _joined(handed)), pulled=True)
+        else:
+            passes = []
 
 
 def _joined(handed: Sequence[HandedBack | None]) -> HandedBack:
@@ -237,9 +240,12 @@ def _outgoing(context: _contexts.DistAutogradContext, pairs: list[LeafGradient])
     return outgoing
 
 
-def _start(agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoing) -> list[Any]:
+def _start(
+    agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoing, pulled: bool = False
+) -> list[Any]:
     """Start the passes of ``outgoing`` on their senders; returns their futures (each one's
-    value: what that pass hands back to this worker, or None)."""
+    value: what that pass hands back to this worker, or None). ``pulled``: this thread waits
+    for them next with ``wait_all`` (see ``Caller.submit``)."""
     me = agent.info.id
     return [
         agent.submit(
@@ -250,15 +256,18 @@ def _start(agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoin
             0,
             function_name="rpcdist.autograd.backward",
             waited=True,  # (this thread waits for them, or hands them to the loop)
+            pulled=pulled,
         )
         for src, send_id, grad in outgoing
     ]
 
 
-def pass_on(agent: Any, context: _contexts.DistAutogradContext, pairs: list[LeafGradient]) -> list[Any]:
+def pass_on(
+    agent: Any, context: _contexts.DistAutogradContext, pairs: list[LeafGradient], pulled: bool = False
+) -> list[Any]:
     """Accumulate the gradients of this worker's leaves; send those of received leaves back to
     their senders (returns the futures of those passes)."""
-    return _start(agent, context, _outgoing(context, pairs))
+    return _start(agent, context, _outgoing(context, pairs), pulled)
 
 
 async def _awaitable(future: Any) -> Any:

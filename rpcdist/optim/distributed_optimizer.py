@@ -124,7 +124,9 @@ class DistributedOptimizer:
     ) -> list[Future[Any]]:
         if waited:  # this thread waits for them next: each may be written right here
             return [
-                start_call("async", rref.owner(), _step, (key, context_id), None, -1.0, waited=True)
+                start_call(
+                    "async", rref.owner(), _step, (key, context_id), None, -1.0, waited=True, pulled=True
+                )
                 for rref, key in made
             ]
         return [rpc_async(rref.owner(), _step, args=(key, context_id)) for rref, key in made]

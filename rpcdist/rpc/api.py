@@ -429,15 +429,16 @@ def start_call(
     timeout: float,
     *,
     waited: bool | None = None,
+    pulled: bool = False,
 ) -> Future[Any]:
     """Start a call as ``rpc_sync`` (``mode="sync"``) or ``rpc_async`` (``"async"``) do,
     profiled under that name while a profiler runs. ``waited``: the calling thread waits for
-    it next, so it may write the call itself (default: ``mode == "sync"``; see
-    ``Agent.submit``)."""
+    it next, so it may write the call itself (default: ``mode == "sync"``); ``pulled``: and
+    nothing else waits for the Future (see ``Caller.submit``)."""
     agent = current_agent()
     if not torch.autograd._profiler_enabled():
         waits = mode == "sync" if waited is None else waited
-        return agent.submit(to, func, args, kwargs, timeout, waited=waits)
+        return agent.submit(to, func, args, kwargs, timeout, waited=waits, pulled=pulled)
     return profiling.profiled_call(agent, mode, to, func, args, kwargs, timeout)
 
 
@@ -452,7 +453,7 @@ def rpc_sync(
 
     Raises the remote exception (with the remote traceback attached) or RpcTimeoutError.
     """
-    return start_call("sync", to, func, args, kwargs, timeout).wait()
+    return start_call("sync", to, func, args, kwargs, timeout, pulled=True).wait()
 
 
 def remote(

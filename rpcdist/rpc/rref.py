@@ -407,10 +407,19 @@ class RRef(Generic[T]):
             failed.set_exception(created.exception())  # type: ignore[arg-type]
             return failed
         if self._owner.id != agent.info.id:
+            creating = created is not None and not created.done()
             fetch = agent.submit(
-                self._owner, _fetch, (self._id,), None, timeout, function_name="RRef.to_here", waited=waited
+                self._owner,
+                _fetch,
+                (self._id,),
+                None,
+                timeout,
+                function_name="RRef.to_here",
+                waited=waited,
+                # (read by the waiting thread only if nothing else may complete it)
+                pulled=waited and not creating,
             )
-            if created is not None and not created.done():
+            if creating:
                 # If the creating call fails before the owner runs it (the function cannot be
                 # imported there, say), the fetch would wait for a value that never comes.
                 created.add_done_callback(
@@ -555,7 +564,9 @@ class _Proxy:
                 _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
             sync = mode == "sync"
-            future = agent.submit(rref.owner(), _call_method, call_args, None, timeout, waited=sync)
+            future = agent.submit(
+                rref.owner(), _call_method, call_args, None, timeout, waited=sync, pulled=sync
+            )
             return future.wait() if sync else future
 
         call.__name__ = method

@@ -30,9 +30,10 @@ from grpc_reflection.v1alpha import reflection
 
 from rpcdist import metrics
 from rpcdist.security import Security, server_interceptors
-from rpcdist.transport import shm
+from rpcdist.transport import frames, shm
 from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory, Write
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, SERVICE, GrpcLink, exchange_handler
+from rpcdist.transport.reply_channel import ReplyChannel, ReplyChannels
 from rpcdist.transport.tcp_link import TcpLink, serve_tcp
 from rpcdist.transport.unix_link import UnixLink, serve_unix
 from rpcdist.transport.writer import DirectWrite, FrameWriter, LoopWrite
@@ -110,6 +111,10 @@ class Transport(LinkHandler):
         self.port = 0
         self._closed = False
         self._lost_peers: dict[int, str] = {}  # rank -> why its link was lost (until it reconnects)
+        # (caller rank, channel id) -> the writer of a reply channel a co-located caller opened
+        # to us (see rpcdist.transport.reply_channel)
+        self._reply_channels: dict[tuple[int, int], FrameWriter] = {}
+        self._my_channels = ReplyChannels(self.security)  # ours, to co-located peers
 
     # ------------------------------------------------------------------ serving
     async def start(self, host: str, services: Sequence[ServiceSetup] = ()) -> int:
@@ -143,7 +148,7 @@ class Transport(LinkHandler):
         if self.shm_probe and self._unix_sockets:
             path = shm.socket_path()
             try:
-                self._unix_server = await serve_unix(path, self._accept, security)
+                self._unix_server = await serve_unix(path, self._accept_local, security)
                 self.unix_path = path
                 listening.append(f"Unix socket {path}")
             except OSError as exc:
@@ -170,6 +175,17 @@ class Transport(LinkHandler):
         """The session of an incoming connection: heartbeats answered here, the rest to the
         user's session, both through one writer (so they never write at once)."""
         return _AnsweringSession(self._make_session, write, direct, loop_write)
+
+    def _accept_local(
+        self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
+    ) -> Session:
+        """:meth:`_accept` for the Unix socket, whose connections may also be reply channels
+        (told by their first frame)."""
+        return _LocalConnection(self, write, direct, loop_write)
+
+    def reply_writer(self, caller_rank: int, channel_id: int) -> FrameWriter | None:
+        """The writer of reply channel ``channel_id`` of ``caller_rank`` (None if it is not open)."""
+        return self._reply_channels.get((caller_rank, channel_id))
 
     def _accept_watched(
         self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
@@ -271,6 +287,7 @@ class Transport(LinkHandler):
         self.peers.pop(rank, None)
         self._unresponsive.discard(rank)
         self._lost_peers.pop(rank, None)
+        self._my_channels.forget(rank)
         link = self._links.pop(rank, None)
         if link is not None:
             link.writer.abort()
@@ -333,6 +350,18 @@ class Transport(LinkHandler):
             self._lost_peers.pop(rank, None)
         return link
 
+    def take_reply_channel(self, rank: int, my_rank: int) -> ReplyChannel | None:
+        """A reply channel to ``rank`` for one waiting call (see
+        :mod:`rpcdist.transport.reply_channel`), when its link is a Unix socket; else None.
+        Give it back with :meth:`give_back_reply_channel` once its answer has been read."""
+        link = self._links.get(rank)
+        if type(link) is not UnixLink or self._closed:
+            return None
+        return self._my_channels.take(rank, link.address, my_rank)
+
+    def give_back_reply_channel(self, channel: ReplyChannel) -> None:
+        self._my_channels.give_back(channel)
+
     def existing_link(self, rank: int) -> Link | None:
         """The link to ``rank`` if one is open (never connects)."""
         return self._links.get(rank)
@@ -350,6 +379,7 @@ class Transport(LinkHandler):
             del self._links[link.peer.rank]  # the next send reconnects
         link.writer.abort()  # nothing it still holds can arrive
         self._lost.append(link)
+        self._my_channels.forget(link.peer.rank)  # (a peer that comes back gets new ones)
         if link.peer.rank in self.peers:
             self._lost_peers[link.peer.rank] = reason
             # What it kept of ours may never come back (a live peer that reconnects may still
@@ -415,6 +445,7 @@ class Transport(LinkHandler):
         if self._closed:
             return
         self._closed = True
+        self._my_channels.close()
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             self._heartbeats = None
@@ -436,6 +467,61 @@ class Transport(LinkHandler):
             self._server = None  # its handlers refer back to the sessions' owner
         shm.remove([self.shm_probe])
         self.slots.close()
+
+
+class _LocalConnection:
+    """An incoming Unix-socket connection: a caller's link (handled by an
+    :class:`_AnsweringSession`) or, if its first frame opens one, a reply channel, which the
+    transport registers (and acknowledges with that same frame) until it closes."""
+
+    __slots__ = ("_transport", "_write", "_direct", "_loop_write", "_inner", "_channel")
+
+    def __init__(
+        self, transport: Transport, write: Write, direct: DirectWrite | None, loop_write: LoopWrite | None
+    ) -> None:
+        self._transport = transport
+        self._write, self._direct, self._loop_write = write, direct, loop_write
+        self._inner: _AnsweringSession | None = None
+        self._channel: tuple[tuple[int, int], FrameWriter] | None = None
+
+    def on_frame(self, raw: bytes) -> None:
+        if self._inner is not None:
+            self._inner.on_frame(raw)
+            return
+        if self._channel is not None:
+            raise frames.FrameError("a reply channel carries no frames from its caller")
+        opening = frames.channel_opening(raw)
+        if opening is None:
+            self._inner = _AnsweringSession(
+                self._transport._make_session, self._write, self._direct, self._loop_write
+            )
+            self._inner.on_frame(raw)
+            return
+        writer = FrameWriter(self._write, "reply-channel", self._direct)
+        writer.loop_write = self._loop_write
+        self._channel = (opening, writer)
+        self._transport._reply_channels[opening] = writer
+        writer.send(iter([frames.encode_control(opening[1], frames.REPLY_CHANNEL, opening[0])]))
+
+    async def finish(self) -> None:
+        if self._inner is not None:
+            await self._inner.finish()
+        elif self._channel is not None:
+            self._forget_channel()
+            await self._channel[1].close()
+
+    def cleanup(self) -> None:
+        if self._inner is not None:
+            self._inner.cleanup()
+        elif self._channel is not None:
+            self._forget_channel()
+            self._channel[1].abort()
+
+    def _forget_channel(self) -> None:
+        assert self._channel is not None
+        key, writer = self._channel
+        if self._transport._reply_channels.get(key) is writer:
+            del self._transport._reply_channels[key]
 
 
 class _AnsweringSession:

@@ -33,6 +33,7 @@ CANCEL = agent_pb2.CANCEL
 CHUNK = agent_pb2.CHUNK
 NOTIFY = agent_pb2.NOTIFY
 SLOTS_READ = agent_pb2.SLOTS_READ
+REPLY_CHANNEL = agent_pb2.REPLY_CHANNEL
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -97,6 +98,7 @@ class Envelope:
     function: str = ""
     caller_rank: int = 0
     shared_buffers: list[str] = field(default_factory=list)
+    reply_channel: int = 0
 
 
 class FrameError(ValueError):
@@ -166,6 +168,8 @@ def _decode_envelope(buf: memoryview, pos: int, end: int) -> Envelope:
                 env.caller_rank = value if value < 1 << 31 else value - (1 << 64)
             elif number == 4:
                 env.buffer_sizes.append(value)
+            elif number == 10:
+                env.reply_channel = value
         elif wire_type == 2:
             length, pos = _read_varint(buf, pos, end)
             stop = pos + length
@@ -210,10 +214,12 @@ def encode_message(
     function: str = "",
     caller_rank: int = 0,
     shared: Sequence[str] = (),
+    reply_channel: int = 0,
 ) -> Iterator[list[bytes | memoryview]]:
     """Yield the envelope entries of one message: a header, then CHUNKs of its buffer bytes.
 
     ``shared`` names, per buffer, the shared-memory file already holding it ("" = inline).
+    ``reply_channel``: a request's, the channel its answer goes to (0: the caller's link).
     Entries are made lazily, so a 1 GiB tensor is never copied whole into a queue.
     """
     sizes = [len(b) for b in buffers]
@@ -234,6 +240,8 @@ def encode_message(
         fields["caller_rank"] = caller_rank
     if any_shared:
         fields["shared_buffers"] = shared
+    if reply_channel:
+        fields["reply_channel"] = reply_channel
     header = agent_pb2.Envelope(**fields).SerializeToString()
     total = sum(len(b) for b in buffers)
     if total <= chunk_bytes:
@@ -248,9 +256,25 @@ def encode_message(
             yield _envelope_entry(chunk_header, view[start : start + chunk_bytes])
 
 
-def encode_control(call_id: int, kind: int) -> list[bytes | memoryview]:
-    """A bodiless envelope entry (e.g. CANCEL)."""
-    return _envelope_entry(agent_pb2.Envelope(call_id=call_id, kind=kind).SerializeToString(), b"")
+def encode_control(call_id: int, kind: int, caller_rank: int = 0) -> list[bytes | memoryview]:
+    """A bodiless envelope entry (e.g. CANCEL, or REPLY_CHANNEL with its caller's rank)."""
+    fields = {"call_id": call_id, "kind": kind}
+    if caller_rank:
+        fields["caller_rank"] = caller_rank
+    return _envelope_entry(agent_pb2.Envelope(**fields).SerializeToString(), b"")
+
+
+def channel_opening(raw: bytes | memoryview) -> tuple[int, int] | None:
+    """``(caller_rank, channel id)`` if ``raw`` is the frame that opens a reply channel."""
+    if len(raw) > 64:  # (an opening is a few bytes: a call's frame is never mistaken for one)
+        return None
+    try:
+        envelopes = agent_pb2.Frame.FromString(bytes(raw)).envelopes
+    except DecodeError:
+        return None
+    if len(envelopes) != 1 or envelopes[0].kind != REPLY_CHANNEL:
+        return None
+    return envelopes[0].caller_rank, envelopes[0].call_id
 
 
 def _in_place(data: memoryview | bytes, sizes: list[int]) -> list[memoryview] | None:

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rpcdist/v1/agent.proto\x12\nrpcdist.v1\"0\n\x05\x46rame\x12\'\n\tenvelopes\x18\x01 \x03(\x0b\x32\x14.rpcdist.v1.Envelope\"\xc8\x01\n\x08\x45nvelope\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.rpcdist.v1.Kind\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62uffer_sizes\x18\x04 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\x10\n\x08\x66unction\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61ller_rank\x18\x08 \x01(\x05\x12\x16\n\x0eshared_buffers\x18\t \x03(\t*u\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07REQUEST\x10\x01\x12\x0c\n\x08RESPONSE\x10\x02\x12\t\n\x05\x45RROR\x10\x03\x12\n\n\x06\x43\x41NCEL\x10\x04\x12\t\n\x05\x43HUNK\x10\x05\x12\n\n\x06NOTIFY\x10\x06\x12\x0e\n\nSLOTS_READ\x10\x07\x32=\n\x05\x41gent\x12\x34\n\x08\x45xchange\x12\x11.rpcdist.v1.Frame\x1a\x11.rpcdist.v1.Frame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16rpcdist/v1/agent.proto\x12\nrpcdist.v1\"0\n\x05\x46rame\x12\'\n\tenvelopes\x18\x01 \x03(\x0b\x32\x14.rpcdist.v1.Envelope\"\xdf\x01\n\x08\x45nvelope\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x1e\n\x04kind\x18\x02 \x01(\x0e\x32\x10.rpcdist.v1.Kind\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62uffer_sizes\x18\x04 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x01\x12\x10\n\x08\x66unction\x18\x07 \x01(\t\x12\x13\n\x0b\x63\x61ller_rank\x18\x08 \x01(\x05\x12\x16\n\x0eshared_buffers\x18\t \x03(\t\x12\x15\n\rreply_channel\x18\n \x01(\x04*\x88\x01\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0b\n\x07REQUEST\x10\x01\x12\x0c\n\x08RESPONSE\x10\x02\x12\t\n\x05\x45RROR\x10\x03\x12\n\n\x06\x43\x41NCEL\x10\x04\x12\t\n\x05\x43HUNK\x10\x05\x12\n\n\x06NOTIFY\x10\x06\x12\x0e\n\nSLOTS_READ\x10\x07\x12\x11\n\rREPLY_CHANNEL\x10\x08\x32=\n\x05\x41gent\x12\x34\n\x08\x45xchange\x12\x11.rpcdist.v1.Frame\x1a\x11.rpcdist.v1.Frame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rpcdist.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KIND']._serialized_start=291
-  _globals['_KIND']._serialized_end=408
+  _globals['_KIND']._serialized_start=315
+  _globals['_KIND']._serialized_end=451
   _globals['_FRAME']._serialized_start=38
   _globals['_FRAME']._serialized_end=86
   _globals['_ENVELOPE']._serialized_start=89
-  _globals['_ENVELOPE']._serialized_end=289
-  _globals['_AGENT']._serialized_start=410
-  _globals['_AGENT']._serialized_end=471
+  _globals['_ENVELOPE']._serialized_end=312
+  _globals['_AGENT']._serialized_start=453
+  _globals['_AGENT']._serialized_end=514
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHUNK: _ClassVar[Kind]
     NOTIFY: _ClassVar[Kind]
     SLOTS_READ: _ClassVar[Kind]
+    REPLY_CHANNEL: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 REQUEST: Kind
 RESPONSE: Kind
@@ -25,6 +26,7 @@ CANCEL: Kind
 CHUNK: Kind
 NOTIFY: Kind
 SLOTS_READ: Kind
+REPLY_CHANNEL: Kind
 
 class Frame(_message.Message):
     __slots__ = ("envelopes",)
@@ -33,7 +35,7 @@ class Frame(_message.Message):
     def __init__(self, envelopes: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers")
+    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers", "reply_channel")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +45,7 @@ class Envelope(_message.Message):
     FUNCTION_FIELD_NUMBER: _ClassVar[int]
     CALLER_RANK_FIELD_NUMBER: _ClassVar[int]
     SHARED_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     kind: Kind
     payload: bytes
@@ -52,4 +55,5 @@ class Envelope(_message.Message):
     function: str
     caller_rank: int
     shared_buffers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ...) -> None: ...
+    reply_channel: int
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ..., reply_channel: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,40 @@
+"""Reply channels: a co-located callee answers ``rpc_sync`` on a socket the waiting thread
+reads itself (``rpcdist.transport.reply_channel``), so the answer needs no hop through the
+caller's event loop — and every property of a call holds as on the link: timeouts (whose late
+answers never reach a later call), many threads at once, results of every size, remote errors.
+
+One launch of two co-located workers (``rpc_scenarios.reply_channels``). A callee dying with a
+call in flight on a channel is covered by test_worker_death (unix-kill).
+"""
+
+from __future__ import annotations
+
+import pytest
+from _harness import GroupRun, run_group
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    return run_group(tmp_path_factory.mktemp("reply_channels"), "reply_channels", 2, "env", timeout=200)
+
+
+def test_rpc_sync_is_answered_while_the_callers_loop_is_busy(run: GroupRun) -> None:
+    assert run.check("channel/answers_without_the_loop") is True
+
+
+def test_a_timed_out_call_raises_and_its_late_answer_reaches_no_later_call(run: GroupRun) -> None:
+    run.check("channel/timeout_then_next_answers")
+
+
+def test_threads_waiting_at_once_each_get_their_own_answers(run: GroupRun) -> None:
+    run.check("channel/threads_get_their_own_answers")
+
+
+def test_results_of_every_size_arrive_whole(run: GroupRun) -> None:
+    run.check("channel/large_results")
+
+
+def test_a_remote_error_keeps_its_type_and_traceback(run: GroupRun) -> None:
+    run.check("channel/remote_error")
