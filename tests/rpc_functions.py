@@ -537,3 +537,8 @@ def open_reply_channels(caller_rank: int) -> int:
 def ramp(n: int, offset: float) -> torch.Tensor:
     """``offset + arange(n)`` as float32 (a result of any size, checkable element by element)."""
     return torch.arange(n, dtype=torch.float32) + offset
+
+
+def rref_of(value: Any) -> Any:
+    """An RRef (owned here) to ``value``."""
+    return rpc.RRef(value)

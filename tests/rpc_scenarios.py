@@ -1592,6 +1592,18 @@ def _reply_channel_checks() -> None:  # noqa: C901 - a list of independent check
                 assert got.shape == (n,) and float(got[0]) == offset and float(got[-1]) == n - 1 + offset
         c.value = True
 
+    with check("channel/rref_results") as c:
+        # An answer that carries an RRef goes on the link after all (its protocol relies on the
+        # caller's loop decoding it in order); the thread waiting on the channel is told, and
+        # the channel keeps serving the next calls.
+        for i in range(10):
+            rref = rpc.rpc_sync("w1", rf.rref_of, (i,), timeout=CALL_TIMEOUT)
+            assert isinstance(rref, rpc.RRef) and rref.owner_name() == "w1"
+            assert rref.to_here(CALL_TIMEOUT) == i
+            assert rpc.rpc_sync("w1", rf.echo, (i,), timeout=CALL_TIMEOUT) == i
+        c.value = rpc.rpc_sync("w1", rf.open_reply_channels, (0,), timeout=CALL_TIMEOUT)
+        assert c.value >= 1
+
     with check("channel/remote_error") as c:
         # An error raised by the callee comes back on the channel with its type and traceback.
         with raises(ValueError, match="bad value") as r:

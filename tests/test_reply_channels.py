@@ -1,7 +1,8 @@
 """Reply channels: a co-located callee answers ``rpc_sync`` on a socket the waiting thread
 reads itself (``rpcdist.transport.reply_channel``), so the answer needs no hop through the
 caller's event loop — and every property of a call holds as on the link: timeouts (whose late
-answers never reach a later call), many threads at once, results of every size, remote errors.
+answers never reach a later call), many threads at once, results of every size, remote errors,
+and answers carrying RRefs (which go on the link, decoded by the loop in order).
 
 One launch of two co-located workers (``rpc_scenarios.reply_channels``). A callee dying with a
 call in flight on a channel is covered by test_worker_death (unix-kill).
@@ -34,6 +35,10 @@ def test_threads_waiting_at_once_each_get_their_own_answers(run: GroupRun) -> No
 
 def test_results_of_every_size_arrive_whole(run: GroupRun) -> None:
     run.check("channel/large_results")
+
+
+def test_an_answer_carrying_an_rref_takes_the_link_and_the_channel_stays(run: GroupRun) -> None:
+    run.check("channel/rref_results")
 
 
 def test_a_remote_error_keeps_its_type_and_traceback(run: GroupRun) -> None:

@@ -119,6 +119,15 @@ class _AnsweredOnChannel:
     def respond(self, entries: Entries) -> None:
         self.writer.send(entries)
 
+    def divert(self, call_id: int) -> None:
+        """Answer on the caller's link after all (the answer carries an RRef, which the caller
+        must decode on its loop, in order: see ``extensions.decoded_in_order``), and tell the
+        thread reading the channel to wait for it there (any thread)."""
+        channel, self.writer = self.writer, self._session.writer
+        marker = [frames.encode_control(call_id, frames.REPLY_CHANNEL)]
+        if not channel.write_now(marker):
+            self._session.callee.agent.on_loop(lambda: channel.send(iter(marker)), sends=False)
+
 
 class _ThreadJob:
     """A blocking user function queued on the worker pool; skipped if cancelled before start."""
@@ -530,7 +539,10 @@ class Callee:
     def _encode_result(self, session: InboundSession, call_id: int, function: str, result: Any) -> Entries:
         agent = self.agent
         state = agent.extension.capture() if agent.extension is not None else None
-        payload, buffers, _ = agent.pickle(result, f"the result of {function}", session.caller_rank, state)
+        what = f"the result of {function}"
+        payload, buffers, holds = agent.pickle(result, what, session.caller_rank, state)
+        if holds.ordered and type(session) is _AnsweredOnChannel:
+            session.divert(call_id)
         # Large buffers are given in reusable slots (the caller hands them back with SLOTS_READ
         # once done): a new shared-memory file per response cost its pages on every call (a
         # 16 MB response took 14 ms that way).

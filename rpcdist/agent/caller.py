@@ -211,7 +211,9 @@ class Caller(LinkHandler):
         link = self._direct_link(rank)
         if link is None:
             return False
-        channel = agent.transport.take_reply_channel(rank, agent.info.id) if pulled else None
+        channel = None
+        if pulled and not getattr(call.undo, "ordered", False):  # (see decoded_in_order)
+            channel = agent.transport.take_reply_channel(rank, agent.info.id)
         call.call_id = call_id = next(self._call_ids)
         entries = list(self._encode(call, channel.id if channel is not None else 0))
         with self._lock:
@@ -494,8 +496,8 @@ class Caller(LinkHandler):
         call = self.pending.pop(call_id, None)
         if call is None:
             return
-        if call.channel is not None:
-            call.channel.interrupt()  # its thread reads no more: the call has failed
+        if call.channel is not None and (channel := self._claim_channel(call)) is not None:
+            channel.interrupt()  # its thread reads no more: the call has failed
         self._drop_shared(call)
         if call.timer is not None:
             call.timer.cancel()
@@ -536,8 +538,8 @@ class Caller(LinkHandler):
             call = self.pending.pop(header.call_id, None)
             if call is None:
                 continue  # timed out or cancelled meanwhile
-            if call.channel is not None:
-                call.channel.interrupt()  # answered here after all (the channel had closed)
+            if call.channel is not None and (channel := self._claim_channel(call)) is not None:
+                channel.interrupt()  # answered here: its thread reads no more
             if call.lent:
                 agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read them
             if call.timer is not None:
@@ -571,7 +573,8 @@ class Caller(LinkHandler):
         wait and the call's own timeout carry on as for any call. If the call ends another
         way meanwhile (failed, timed out, its peer lost), the channel is interrupted."""
         channel = call.channel
-        assert channel is not None
+        if channel is None:  # the call ended already (and the loop interrupted the channel)
+            return
         agent = self._agent
         deadline = call.deadline or None
         if timeout is not None:
@@ -587,6 +590,11 @@ class Caller(LinkHandler):
                     if not raw:
                         continue
                     for env in frames.decode_frame(raw):
+                        if env.kind == frames.REPLY_CHANNEL:  # answered on the link instead
+                            if env.call_id == call.call_id:
+                                self._diverted(call)
+                                return
+                            continue
                         message = frames.collect(channel.assemblies, env, max_bytes, self._slots_read(call))
                         if message is not None and message[0].call_id == call.call_id:
                             self._answered(call, *message)
@@ -600,6 +608,20 @@ class Caller(LinkHandler):
                 f"worker {call.dest.name} is gone: its answer to {call.function} cannot arrive ({exc})"
             )
             agent.on_loop(lambda: self.fail(call.call_id, error), sends=False)
+
+    def _diverted(self, call: OutgoingCall) -> None:
+        """The callee answers ``call`` on the link (the answer carries an RRef, which the loop
+        must decode in order): the channel goes back; the loop completes the call."""
+        channel = self._claim_channel(call)
+        if channel is not None:  # (else the loop ended the call and interrupted the channel)
+            self._agent.transport.give_back_reply_channel(channel)
+
+    def _claim_channel(self, call: OutgoingCall) -> ReplyChannel | None:
+        """Take ``call``'s channel off it (any thread): whoever gets it decides its fate, so the
+        loop never interrupts a channel its reader has given back."""
+        with self._lock:
+            channel, call.channel = call.channel, None
+        return channel
 
     def _slots_read(self, call: OutgoingCall) -> Any:
         """Tells the callee of ``call`` when we are done with its results' slots (on the link)."""
@@ -615,7 +637,6 @@ class Caller(LinkHandler):
         """``call``'s answer, read by its waiting thread: complete it as ``on_frame`` does."""
         if self.pending.pop(call.call_id, None) is None:
             return  # failed or timed out meanwhile
-        call.channel = None
         self._free_place(call.dest.id)
         if self.waiting.get(call.dest.id):
             self._agent.on_loop(lambda: self._send_waiting(call.dest.id))

@@ -37,6 +37,8 @@ __all__ = [
     "confirmation_gate",
     "on_undelivered",
     "on_unconfirmed",
+    "Holds",
+    "decoded_in_order",
     "ordered_receiver",
     "pickling_message",
     "run_undo",
@@ -64,6 +66,14 @@ class CallExtension(Protocol):
 _undo = threading.local()
 
 
+class Holds(list):  # type: ignore[type-arg]
+    """The undo callbacks of one message (see :class:`CollectingUndo`), and whether it carries
+    something its receiver must decode on its loop, in arrival order with everything else it
+    receives (an RRef: see :func:`decoded_in_order`)."""
+
+    ordered = False
+
+
 class CollectingUndo:
     """``with CollectingUndo() as undo:`` collects the :func:`on_undelivered` callbacks of
     what is pickled in the block (this thread); the caller keeps them with the message.
@@ -78,9 +88,9 @@ class CollectingUndo:
     def __init__(self, ordered_to: int | None = None) -> None:
         self.ordered_to = ordered_to
 
-    def __enter__(self) -> list[Callable[[], None]]:
+    def __enter__(self) -> Holds:
         self._previous = (getattr(_undo, "callbacks", None), getattr(_undo, "ordered_to", None))
-        self.callbacks: list[Callable[[], None]] = []
+        self.callbacks: Holds = Holds()
         _undo.callbacks = self.callbacks
         _undo.ordered_to = self.ordered_to
         return self.callbacks
@@ -95,6 +105,16 @@ def on_undelivered(callback: Callable[[], None]) -> None:
     callbacks = getattr(_undo, "callbacks", None)
     if callbacks is not None:
         callbacks.append(callback)
+
+
+def decoded_in_order() -> None:
+    """Called while an object is being pickled into a message: its receiver must decode it on
+    its event loop, in arrival order with the other messages it gets (an RRef, whose protocol
+    relies on that order). Such a message never takes a reply channel (a call's arguments, or
+    an answer: see ``rpcdist.transport.reply_channel``)."""
+    callbacks = getattr(_undo, "callbacks", None)
+    if callbacks is not None:
+        callbacks.ordered = True
 
 
 def ordered_receiver() -> int | None:

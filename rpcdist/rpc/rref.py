@@ -43,6 +43,7 @@ from rpcdist._runtime import current_loop
 from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import (
     confirmation_gate,
+    decoded_in_order,
     on_unconfirmed,
     on_undelivered,
     ordered_receiver,
@@ -522,6 +523,7 @@ class RRef(Generic[T]):
             )
         context = _context()
         me = context.agent.info.id
+        decoded_in_order()  # (its protocol relies on the receiver's loop decoding it in order)
         if self._owner.id != me and ordered_receiver() == self._owner.id:
             # A call to the owner: it adopts the RRef while decoding the call, before it can
             # see this worker's deletion of it (same link, arrival order). No fork hold, and

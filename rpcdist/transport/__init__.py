@@ -8,6 +8,7 @@ Layers, bottom up::
     api        the interface: Link, LinkHandler, Session, PeerAddress
     grpc_link  a Link over a gRPC bidirectional stream (any two hosts)
     unix_link  a Link over a Unix-domain socket (workers of one host)
+    reply_channel  sockets on which a co-located callee answers a waiting thread directly
     endpoint   Transport: serving, one link per peer, co-location, teardown
 
 The transport knows nothing of functions, RRefs or collectives: the agent
