@@ -115,7 +115,17 @@ class Future(torch.futures.Future[T]):
     releases the GIL, and on a busy process that is a thread switch per completed call.
     """
 
-    __slots__ = ("_state", "_result", "_error", "_callbacks", "_waiter", "_torch_side", "_loop_hint", "_pull")
+    __slots__ = (
+        "_state",
+        "_result",
+        "_error",
+        "_callbacks",
+        "_waiter",
+        "_torch_side",
+        "_loop_hint",
+        "_pull",
+        "_interrupt",
+    )
 
     def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None, devices: Any = None) -> None:
         if devices:
@@ -133,6 +143,8 @@ class Future(torch.futures.Future[T]):
         # Set on a call answered on a reply channel: what the first wait() runs to read the
         # answer on its own thread (pull(timeout); see rpcdist.transport.reply_channel).
         self._pull: Callable[[float | None], None] | None = None
+        # ... and what stops that reading when the future is completed another way.
+        self._interrupt: Callable[[], None] | None = None
 
     # -- completing ----------------------------------------------------------------------------
     def set_result(self, result: T) -> None:
@@ -164,6 +176,9 @@ class Future(torch.futures.Future[T]):
                 self._state = _FAILED
             callbacks, self._callbacks = self._callbacks, None
             waiter, torch_side = self._waiter, self._torch_side
+            interrupt, self._interrupt = self._interrupt, None
+        if interrupt is not None:
+            interrupt()
         if torch_side:
             self._complete_torch_side()
         if waiter is not None:

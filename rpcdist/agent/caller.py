@@ -247,6 +247,7 @@ class Caller(LinkHandler):
         call.payload, call.buffers = b"", []  # on the wire
         if channel is not None:
             call.future._pull = functools.partial(self._pull, call)
+            call.future._interrupt = functools.partial(self._interrupt_reader, call)
         if wake_sweep:
             agent.loop.call_soon_threadsafe(self._sweep)
         return True
@@ -597,8 +598,9 @@ class Caller(LinkHandler):
                             continue
                         message = frames.collect(channel.assemblies, env, max_bytes, self._slots_read(call))
                         if message is not None and message[0].call_id == call.call_id:
-                            self._answered(call, *message)
-                            agent.transport.give_back_reply_channel(channel)
+                            mine = self._answered(call, *message)
+                            if mine is not None:
+                                agent.transport.give_back_reply_channel(mine)
                             return
         except (ChannelClosed, frames.FrameError) as exc:
             channel.close()
@@ -633,15 +635,33 @@ class Caller(LinkHandler):
             slots_read = link.slots_read = frames.SlotsReadNotices(self._agent.loop, link.writer)
         return slots_read
 
-    def _answered(self, call: OutgoingCall, header: Any, buffers: list[memoryview] | Exception) -> None:
-        """``call``'s answer, read by its waiting thread: complete it as ``on_frame`` does."""
+    def _answered(
+        self, call: OutgoingCall, header: Any, buffers: list[memoryview] | Exception
+    ) -> ReplyChannel | None:
+        """``call``'s answer, read by its waiting thread: complete it as ``on_frame`` does.
+        Returns its channel to give back (None if the call had ended another way)."""
         if self.pending.pop(call.call_id, None) is None:
-            return  # failed or timed out meanwhile
+            return None  # failed or timed out meanwhile
+        channel = self._claim_channel(call)  # (completing the future must not interrupt it)
         self._free_place(call.dest.id)
         if self.waiting.get(call.dest.id):
             self._agent.on_loop(lambda: self._send_waiting(call.dest.id))
         self._idle.wake_if_empty()
         self._settle(call, header, buffers)
+        return channel
+
+    def _interrupt_reader(self, call: OutgoingCall) -> None:
+        """``call``'s Future was completed another way (a failure, a timeout, a lost peer, or
+        whoever else completes it): the thread reading its channel reads no more, and a call
+        still pending (its Future completed by someone else) is ended: its answer would come to
+        a closed channel."""
+        channel = self._claim_channel(call)
+        if channel is None:
+            return
+        channel.interrupt()
+        if call.call_id in self.pending:
+            error = RpcError(f"call to {call.function} ended by its Future's completion elsewhere")
+            self._agent.on_loop(lambda: self.fail(call.call_id, error), sends=False)
 
     @staticmethod
     def _complete(call: OutgoingCall, result: Any, error: BaseException | None) -> None:

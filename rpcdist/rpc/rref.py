@@ -408,7 +408,6 @@ class RRef(Generic[T]):
             failed.set_exception(created.exception())  # type: ignore[arg-type]
             return failed
         if self._owner.id != agent.info.id:
-            creating = created is not None and not created.done()
             fetch = agent.submit(
                 self._owner,
                 _fetch,
@@ -417,10 +416,9 @@ class RRef(Generic[T]):
                 timeout,
                 function_name="RRef.to_here",
                 waited=waited,
-                # (read by the waiting thread only if nothing else may complete it)
-                pulled=waited and not creating,
+                pulled=waited,
             )
-            if creating:
+            if created is not None and not created.done():
                 # If the creating call fails before the owner runs it (the function cannot be
                 # imported there, say), the fetch would wait for a value that never comes.
                 created.add_done_callback(
