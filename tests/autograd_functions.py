@@ -207,3 +207,9 @@ async def barrier(tag: str, n: int, timeout: float = 120.0) -> None:
     if count[0] >= n:
         event.set()
     await asyncio.wait_for(event.wait(), timeout)
+
+
+def context_count_of(worker: str) -> int:
+    """How many contexts ``worker`` holds, asked by this worker (whose calls carry nothing a
+    third worker deferred for ``worker``)."""
+    return rpc.rpc_sync(worker, context_count, timeout=60.0)

@@ -674,6 +674,27 @@ def _cleanup() -> None:
             "counts": wait_counts(dict.fromkeys(WORKERS, 0)),
         }
 
+    with check("cleanup/release_travels_ahead_of_the_next_call") as c:
+        # A context's release is kept to go out with the next message to each worker it
+        # reached: the very next call finds it released there; and when nothing follows, it
+        # goes out on its own within the caller's next sweep (0.1 s).
+        before = context_counts()
+        with dist_autograd.context() as cid:
+            out = rpc.rpc_sync("w1", af.forward, ("leak/b", a(x)), timeout=CALL_TIMEOUT)
+            dist_autograd.backward(cid, [out.sum()])
+        first = rpc.rpc_sync("w1", af.context_count, timeout=CALL_TIMEOUT)
+        assert first == before["w1"], f"w1 still held the context at the next call: {first}"
+        with dist_autograd.context() as cid:
+            out = rpc.rpc_sync("w1", af.forward, ("leak/b", a(x)), timeout=CALL_TIMEOUT)
+            dist_autograd.backward(cid, [out.sum()])
+        asked_by_w2 = rpc.rpc_sync("w2", af.context_count_of, ("w1",), timeout=CALL_TIMEOUT)
+        deadline = time.monotonic() + 3.0
+        while asked_by_w2 != before["w1"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            asked_by_w2 = rpc.rpc_sync("w2", af.context_count_of, ("w1",), timeout=CALL_TIMEOUT)
+        c.value = asked_by_w2
+        assert asked_by_w2 == before["w1"], f"w1 holds {asked_by_w2} contexts, {before['w1']} before"
+
     with check("cleanup/rpc_without_grad_tensors_in_context") as c:
         before = context_counts()
         with dist_autograd.context():

@@ -113,6 +113,10 @@ def test_no_context_leaked_after_1000_iterations(main: GroupRun) -> None:
     main.check("cleanup/1000_iterations")
 
 
+def test_a_context_release_travels_ahead_of_the_next_call_or_alone_within_a_sweep(main: GroupRun) -> None:
+    main.check("cleanup/release_travels_ahead_of_the_next_call")
+
+
 def test_no_context_leaked_by_rpcs_without_grad_tensors(main: GroupRun) -> None:
     main.check("cleanup/rpc_without_grad_tensors_in_context")
 

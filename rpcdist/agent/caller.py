@@ -139,6 +139,9 @@ class Caller(LinkHandler):
         self._lock = threading.Lock()
         self._sweeping = False  # the sweep of deadlines runs (or is about to)
         self._last_direct = 0.0  # time.monotonic() a thread last sent a call itself
+        # Deferred notices (encoded entries), per peer rank: they go out ahead of the next
+        # message to that peer, or with the next sweep (see notify's ``deferred``).
+        self._deferred: dict[int, list[list[bytes | memoryview]]] = {}
         self._idle = EmptyWaiter(self.pending)  # wait_idle() waits for the calls in flight
 
     # ------------------------------------------------------------------ sending
@@ -232,13 +235,16 @@ class Caller(LinkHandler):
                 self._sweeping = True
             if channel is not None:
                 call.channel = channel  # (before the answer can come: the loop may see it)
-        if not link.writer.write_now(entries):
+            deferred = self._deferred.pop(rank, None)  # (ahead of it, in the same write)
+        if not link.writer.write_now(deferred + entries if deferred else entries):
             with self._lock:
                 del self.pending[call_id]
                 self.in_flight[rank] -= 1
                 call.sent = False
                 call.deadline = 0.0
                 call.channel = None
+                if deferred:
+                    self._deferred[rank] = deferred + self._deferred.get(rank, [])
             if channel is not None:
                 agent.transport.give_back_reply_channel(channel)
             if wake_sweep:
@@ -263,6 +269,8 @@ class Caller(LinkHandler):
         ]
         for call_id in expired:
             self._expire(call_id)
+        if self._deferred:
+            self.flush_deferred()
         with self._lock:
             self._sweeping = now - self._last_direct < SWEEP_LINGER_SECONDS or any(
                 call.deadline > 0 for call in list(self.pending.values())
@@ -278,9 +286,15 @@ class Caller(LinkHandler):
         args: tuple[Any, ...],
         function_name: str,
         track: bool = False,
+        deferred: bool = False,
     ) -> Future[None] | None:
         """Send ``func(*args)`` to ``to`` from any thread, expecting no answer (see
         ``Agent.notify``). Raises at once on bad input; a lost link drops it silently.
+
+        ``deferred`` (not with ``track``): from a thread other than the loop's, the notice may
+        wait to go out ahead of the next message to ``to``, in the same write (within
+        ``SWEEP_SECONDS`` at the latest): for a notice nobody waits for, such as a distributed
+        autograd context's release, which then costs the peer no wake-up of its own.
 
         ``track``: return a Future that completes once the notice has been handed to the link's
         carrier (so a process may exit without losing it), or fails with WorkerUnavailableError
@@ -331,6 +345,8 @@ class Caller(LinkHandler):
                 if sent is not None:
                     sent.set_exception(WorkerUnavailableError(f"notice {function_name}, {dest.name}: {exc}"))
                 return
+            if self._deferred:
+                self._flush_deferred(link)
             link.send(encode(), None if sent is None else written)
 
         def start() -> None:
@@ -349,6 +365,8 @@ class Caller(LinkHandler):
                 agent.inbox.post(start)
             else:
                 start()
+        elif deferred and sent is None and not carried and self._defer(dest.id, encode):
+            pass
         elif carried + len(payload) > DIRECT_MAX_BYTES or not self._notify_from_thread(dest.id, encode):
             agent.inbox.post(start)  # after the calls this thread submitted before it
         elif sent is not None:
@@ -362,7 +380,51 @@ class Caller(LinkHandler):
         step's ``rpc_sync`` after a context's release) would find the inbox busy and have to
         go through the loop too."""
         link = self._direct_link(rank)
-        return link is not None and link.writer.write_now(list(encode()))
+        if link is None:
+            return False
+        entries = list(encode())
+        with self._lock:
+            deferred = self._deferred.pop(rank, None)
+        if link.writer.write_now(deferred + entries if deferred else entries):
+            return True
+        if deferred:
+            with self._lock:
+                self._deferred[rank] = deferred + self._deferred.get(rank, [])
+        return False
+
+    def _defer(self, rank: int, encode: Callable[[], Any]) -> bool:
+        """Keep a notice for ``rank`` to go out ahead of the next message to it (or with the
+        next sweep, within ``SWEEP_SECONDS``), if nothing this process sends it could be
+        overtaken meanwhile (as :meth:`_direct_link`); False: nothing was done."""
+        if self._direct_link(rank) is None:
+            return False
+        entries = list(encode())
+        with self._lock:
+            self._deferred.setdefault(rank, []).extend(entries)
+            wake_sweep = not self._sweeping
+            self._sweeping = True
+        if wake_sweep:
+            self._agent.loop.call_soon_threadsafe(self._sweep)
+        return True
+
+    def _flush_deferred(self, link: Link) -> None:
+        """Send the notices deferred for ``link``'s peer now, ahead of anything after (loop)."""
+        with self._lock:
+            deferred = self._deferred.pop(link.peer.rank, None)
+        if deferred:
+            link.send(iter(deferred))
+
+    def flush_deferred(self) -> None:
+        """Send every deferred notice now (loop): each sweep, and before the links close."""
+        with self._lock:
+            ranks = list(self._deferred)
+        for rank in ranks:
+            link = self._agent.transport.existing_link(rank)
+            if link is not None:
+                self._flush_deferred(link)
+            else:  # no link left to that peer: it is gone, with what these were about
+                with self._lock:
+                    self._deferred.pop(rank, None)
 
     def _direct_link(self, rank: int) -> Link | None:
         """The open link to ``rank`` if a (non-loop) thread may write to it now: nothing this
@@ -419,6 +481,8 @@ class Caller(LinkHandler):
         call.sent = True
         with self._lock:
             self.in_flight[call.dest.id] = self.in_flight.get(call.dest.id, 0) + 1
+        if self._deferred:
+            self._flush_deferred(link)
         link.send(self._encode(call))
         call.payload, call.buffers = b"", []  # the writer holds them now
 

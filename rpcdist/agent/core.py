@@ -183,6 +183,7 @@ class Agent:
         if self._closed:
             return
         self.closing = True
+        self.caller.flush_deferred()  # (notices kept to go out with the next message)
         await self.transport.close(graceful)
         self.caller.fail_all(lambda _: WorkerUnavailableError(f"worker {self.info.name} shut down"))
         self.pool.shutdown(timeout=1.0 if graceful else 0.1)
@@ -248,6 +249,7 @@ class Agent:
         *,
         function_name: str,
         track: bool = False,
+        deferred: bool = False,
     ) -> Future[None] | None:
         """Have ``to`` run ``func(*args)`` and answer nothing: for rpcdist's own short loop-side
         handlers (``@inline``) whose caller does not wait, such as the release of a
@@ -258,10 +260,11 @@ class Agent:
 
         ``track``: return a Future that completes once the notice is written to the link (a
         process that waits for it may exit without losing the notice) or fails once it never
-        will be; else None."""
+        will be; else None. ``deferred``: it may go out ahead of the next message to ``to``
+        (see ``Caller.notify``)."""
         if not is_inline(func):
             raise ValueError(f"only rpcdist's own inline handlers are sent as notices, not {function_name}")
-        return self.caller.notify(to, func, args, function_name, track)
+        return self.caller.notify(to, func, args, function_name, track, deferred)
 
     def on_peer_lost(self, listener: Callable[[WorkerInfo, str], None]) -> None:
         """Call ``listener(peer, reason)`` on the loop whenever the link to a peer is lost
