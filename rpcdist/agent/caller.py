@@ -561,8 +561,8 @@ class Caller(LinkHandler):
         call = self.pending.pop(call_id, None)
         if call is None:
             return
-        if call.channel is not None and (channel := self._claim_channel(call)) is not None:
-            channel.interrupt()  # its thread reads no more: the call has failed
+        if call.channel is not None:
+            self._interrupt_reader(call)  # its thread reads no more: the call has failed
         self._drop_shared(call)
         if call.timer is not None:
             call.timer.cancel()
@@ -603,8 +603,8 @@ class Caller(LinkHandler):
             call = self.pending.pop(header.call_id, None)
             if call is None:
                 continue  # timed out or cancelled meanwhile
-            if call.channel is not None and (channel := self._claim_channel(call)) is not None:
-                channel.interrupt()  # answered here: its thread reads no more
+            if call.channel is not None:
+                self._interrupt_reader(call)  # answered here: its thread reads no more
             if call.lent:
                 agent.transport.finished_reading(call.dest.id, call.lent)  # the callee read them
             if call.timer is not None:
