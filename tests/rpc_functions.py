@@ -539,6 +539,28 @@ def ramp(n: int, offset: float) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32) + offset
 
 
+_loop_blocked = threading.Event()
+
+
+async def block_the_loop(seconds: float) -> None:
+    """Blocks this worker's event loop for ``seconds`` (an ``async def`` that never awaits)."""
+    _loop_blocked.set()
+    time.sleep(seconds)
+    _loop_blocked.clear()
+
+
+def loop_state() -> tuple[bool, str, tuple[int, int]]:
+    """Whether this worker's loop is blocked by :func:`block_the_loop`, the thread that runs
+    this call, and the worker pool's running and queued jobs."""
+    pool = rpc_api.current_agent().pool
+    return _loop_blocked.is_set(), threading.current_thread().name, (pool._running, len(pool._jobs))
+
+
+def notices_seen_by() -> tuple[list[Any], str]:
+    """The notices :func:`take_notice` got so far, and the thread that runs this call."""
+    return [value for value, _ in _notices], threading.current_thread().name
+
+
 def rref_of(value: Any) -> Any:
     """An RRef (owned here) to ``value``."""
     return rpc.RRef(value)

@@ -1604,6 +1604,34 @@ def _reply_channel_checks() -> None:  # noqa: C901 - a list of independent check
         c.value = rpc.rpc_sync("w1", rf.open_reply_channels, (0,), timeout=CALL_TIMEOUT)
         assert c.value >= 1
 
+    with check("channel/requests_run_while_the_callees_loop_is_busy") as c:
+        # A plain function's rpc_sync goes on the channel too: the callee's thread reading it
+        # runs the call and answers, while the callee's event loop is blocked.
+        rpc.rpc_async("w1", rf.block_the_loop, (6.0,))
+        time.sleep(0.3)  # (sent: a call made while this worker's loop sends one goes behind it)
+        deadline = time.monotonic() + 5.0
+        blocked, thread, pool = False, "", (0, 0)
+        while not blocked and time.monotonic() < deadline:
+            blocked, thread, pool = rpc.rpc_sync("w1", rf.loop_state, timeout=CALL_TIMEOUT)
+        c.value = thread
+        assert blocked, "no call was answered while the callee's loop was blocked"
+        assert "-channel-" in thread, (thread, "pool running and queued:", pool)
+        time.sleep(6.0)  # (the loop is free again)
+
+    with check("channel/requests_keep_their_order_behind_the_link") as c:
+        # A request on the channel runs only after everything its caller sent before on the
+        # link: a notice that waits behind the callee's blocked loop is handled first.
+        on_channel = 0
+        for attempt in range(3):
+            rpc.rpc_async("w1", rf.block_the_loop, (1.0,))
+            time.sleep(0.3)  # (sent, and the callee's loop blocked)
+            agent.notify("w1", rf.take_notice, (("ordered", attempt),), function_name="take_notice")
+            seen, thread = rpc.rpc_sync("w1", rf.notices_seen_by, timeout=CALL_TIMEOUT)
+            assert ("ordered", attempt) in seen, (attempt, seen)
+            on_channel += "-channel-" in thread
+        c.value = on_channel
+        assert on_channel >= 1, "no request went on the channel"
+
     with check("channel/remote_error") as c:
         # An error raised by the callee comes back on the channel with its type and traceback.
         with raises(ValueError, match="bad value") as r:

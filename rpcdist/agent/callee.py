@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
-from rpcdist.agent.markers import TORCH_ASYNC_EXECUTION_ATTR, RunAsCall, is_async_execution, is_inline
+from rpcdist.agent.markers import (
+    TORCH_ASYNC_EXECUTION_ATTR,
+    RunAsCall,
+    is_async_execution,
+    is_inline,
+    runs_on_thread,
+)
 from rpcdist.agent.threads import EmptyWaiter, settle
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
 from rpcdist.futures import Future
@@ -54,18 +60,28 @@ class InboundSession:
         self.arrivals: dict[int, float] = {}  # call_id -> arrival time, while metrics are on
         # Tells the caller when we are done with the slots it gave us (large arguments).
         self._slots_read = frames.SlotsReadNotices(callee.agent.loop, writer)
+        # The envelopes handled so far, and the link's token (its LINK_OPENING: a Unix-socket
+        # link's): requests on the caller's reply channels wait for a count of them.
+        self.envelopes = 0
+        self.link_token = 0
         callee.sessions.add(self)
 
     def on_frame(self, raw: bytes) -> None:
         """Handle one incoming frame; raises FrameError if it is malformed."""
-        max_bytes = self.callee.agent.options.max_payload_bytes
+        callee = self.callee
+        max_bytes = callee.agent.options.max_payload_bytes
         for env in frames.decode_frame(raw):
             if env.kind == frames.SLOTS_READ:  # the caller is done with our results' slots
-                self.callee.agent.transport.slots_read(self.caller_rank, frames.slots_read_names(env))
-                continue
-            message = frames.collect(self.assemblies, env, max_bytes, self._slots_read)
-            if message is not None:
-                self.callee.on_request(self, *message)
+                callee.agent.transport.slots_read(self.caller_rank, frames.slots_read_names(env))
+            elif env.kind == frames.LINK_OPENING:
+                callee.link_opened(self, env.call_id)
+            else:
+                message = frames.collect(self.assemblies, env, max_bytes, self._slots_read)
+                if message is not None:
+                    callee.on_request(self, *message)
+            self.envelopes += 1
+        if callee.order_waiters:
+            callee.link_moved()
         if self.traffic is not None:
             self.traffic.received += len(raw)
 
@@ -83,6 +99,8 @@ class InboundSession:
         await self.writer.close()
 
     def cleanup(self) -> None:
+        if self.link_token:
+            self.callee.link_closed(self)
         for job in list(self.running.values()):
             job.cancel()
         self.writer.abort()
@@ -129,6 +147,98 @@ class _AnsweredOnChannel:
             self._session.callee.agent.on_loop(lambda: channel.send(iter(marker)), sends=False)
 
 
+class ChannelCalls:
+    """The callee's end of a reply channel that a co-located caller also sends requests on
+    (calls of plain functions carrying no RRef, from a thread that waits for them next: see
+    ``rpcdist.transport.reply_channel``).
+
+    The channel's own thread hands each request here; once the caller's link has delivered
+    everything the caller sent before it, the thread runs the call itself, when the worker
+    pool has a running place free, and writes the answer back: the loop never wakes, and no
+    pool thread is handed the call. Otherwise the call goes the usual way (the pool's queue;
+    the loop, while metrics are on or the group is not known yet), still answered on the
+    channel."""
+
+    __slots__ = ("callee", "writer", "caller_rank", "assemblies")
+
+    def __init__(self, callee: Callee, writer: FrameWriter, caller_rank: int) -> None:
+        self.callee = callee
+        self.writer = writer
+        self.caller_rank = caller_rank
+        self.assemblies: dict[int, frames.Assembly] = {}
+
+    def on_frame(self, raw: bytes | memoryview) -> None:
+        """One frame from the caller (on the channel's thread)."""
+        try:
+            max_bytes = self.callee.agent.options.max_payload_bytes
+        except ReferenceError:  # the agent is gone: so is every answer
+            raise frames.FrameError("the worker shut down") from None
+        for env in frames.decode_frame(raw):
+            if env.kind not in (frames.REQUEST, frames.CHUNK) or env.shared_buffers:
+                raise frames.FrameError(f"a reply channel carries plain requests only, not kind {env.kind}")
+            message = frames.collect(self.assemblies, env, max_bytes)
+            if message is not None:
+                self._request(*message)
+
+    def _request(self, header: Any, buffers: list[memoryview] | Exception) -> None:
+        callee = self.callee
+        agent = callee.agent
+        if header.caller_rank != self.caller_rank or not header.link_token:
+            raise frames.FrameError("a request on a reply channel names its caller's link")
+        timeout = header.timeout_seconds
+        session = callee.wait_for_link(
+            header.link_token, header.link_envelopes, time.monotonic() + timeout if timeout > 0 else None
+        )
+        if session is None:  # its link ended, or the call timed out: nobody waits for it
+            return
+        if callee.early or metrics.current is not None or isinstance(buffers, Exception):
+            agent.on_loop(lambda: callee.on_request(session, header, buffers), sends=False)
+            return
+        if header.caller_rank != session.caller_rank:
+            session.identify(header.caller_rank)  # (metrics are off: names only)
+        answering = _AnsweredOnChannel(session, self.writer)
+        call_id, function = header.call_id, header.function
+        try:
+            with CollectingUnconfirmed() as unconfirmed:
+                func, args, kwargs, *state = agent.decode(header.payload, buffers)
+        except Exception as exc:  # noqa: BLE001 - answered (from the loop, as every error)
+            error = _loading_error(exc)
+            agent.on_loop(
+                lambda: callee._respond_error(answering, call_id, function, error, loading=True), sends=False
+            )
+            return
+        if unconfirmed or not runs_on_thread(func):  # (not sent here by rpcdist's callers)
+            agent.on_loop(
+                lambda: callee.decoded(answering, header, func, args, kwargs, state, unconfirmed),  # type: ignore[arg-type]
+                sends=False,
+            )
+            return
+        run_in = None
+        if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
+            run_in = contextvars.copy_context()
+            run_in.run(agent.extension.enter, state[0])
+        pool = agent.pool
+        if not pool.enter():  # as many calls run as the pool allows: queued there
+            callee._queue_blocking(answering, call_id, function, func, args, kwargs, run_in, timeout)  # type: ignore[arg-type]
+            return
+        try:
+            deadline = time.monotonic() + timeout if timeout > 0 else None
+            job = _ThreadJob()
+            session.track(call_id, job)  # (counted as running; answering untracks it)
+            run = functools.partial(
+                callee._run_blocking, answering, call_id, function, func, args, kwargs, job, deadline
+            )
+            if run_in is None:
+                run()
+            else:
+                run_in.run(run)
+        finally:
+            pool.leave()
+
+    def cleanup(self) -> None:
+        self.assemblies.clear()
+
+
 class _ThreadJob:
     """A blocking user function queued on the worker pool; skipped if cancelled before start."""
 
@@ -166,9 +276,73 @@ class Callee:
         self.sessions: set[InboundSession] = set()
         # Requests that arrive before the group is known (None once it is).
         self._early: list[tuple[InboundSession, Any, Any]] | None = []
+        # Unix-socket links by token (see InboundSession.link_token), those that ended, and the
+        # reply channels' threads waiting for a link to have handled enough envelopes.
+        self.links: dict[int, InboundSession] = {}
+        self._ended_links: set[int] = set()
+        self._order = threading.Condition()
+        self.order_waiters = 0
 
     def new_session(self, writer: FrameWriter) -> InboundSession:
         return InboundSession(self, writer)
+
+    def new_channel_session(self, writer: FrameWriter, caller_rank: int) -> ChannelCalls:
+        return ChannelCalls(self, writer, caller_rank)
+
+    @property
+    def early(self) -> bool:
+        """Whether requests still wait for the group to be known (see :meth:`group_known`)."""
+        return self._early is not None
+
+    # ------------------------------------------------------------------ link order
+    def link_opened(self, session: InboundSession, token: int) -> None:
+        """``session``'s link announced its token (loop)."""
+        session.link_token = token
+        with self._order:
+            self.links[token] = session
+            self._order.notify_all()
+
+    def link_closed(self, session: InboundSession) -> None:
+        with self._order:
+            if self.links.get(session.link_token) is session:
+                del self.links[session.link_token]
+                self._ended_links.add(session.link_token)
+            self._order.notify_all()
+
+    def link_moved(self) -> None:
+        """A link handled more envelopes while reply-channel threads wait (loop)."""
+        with self._order:
+            self._order.notify_all()
+
+    def wait_for_link(self, token: int, count: int, deadline: float | None) -> InboundSession | None:
+        """The session of link ``token`` once it has handled ``count`` envelopes (from a reply
+        channel's thread: its request comes after them); None if the link ended first, or
+        ``deadline`` (``time.monotonic()``) passed."""
+        session = self.links.get(token)
+        if session is not None and session.envelopes >= count:
+            return session
+        with self._order:
+            self.order_waiters += 1
+            try:
+                while True:
+                    session = self.links.get(token)
+                    if session is not None and session.envelopes >= count:
+                        return session
+                    if token in self._ended_links:
+                        return None
+                    if deadline is None:
+                        self._order.wait()
+                    elif not self._order.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
+                        return None
+            finally:
+                self.order_waiters -= 1
+
+    def close(self) -> None:
+        """The agent shuts down: reply-channel threads stop waiting for links."""
+        with self._order:
+            self._ended_links.update(self.links)
+            self.links.clear()
+            self._order.notify_all()
 
     def group_known(self) -> None:
         """Run the calls that arrived before the group was known, in arrival order."""
@@ -216,6 +390,21 @@ class Callee:
         except Exception as exc:
             self._respond_error(session, call_id, function, _loading_error(exc), loading=True)
             return
+        self.decoded(session, header, func, args, kwargs, state, unconfirmed)
+
+    def decoded(
+        self,
+        session: InboundSession,
+        header: Any,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        state: list[Any],
+        unconfirmed: list[Unconfirmed],
+    ) -> None:
+        """Run a decoded request (loop): once the objects its arguments carry are confirmed,
+        the way its function runs."""
+        call_id, function = header.call_id, header.function
         agent = self.agent
         if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
             run_in = contextvars.copy_context()
@@ -268,13 +457,27 @@ class Callee:
                 deadline = agent.loop.call_later(timeout, task.cancel)
                 task.add_done_callback(lambda _: deadline.cancel())  # don't pin finished calls
         else:
-            job = _ThreadJob()
-            session.track(call_id, job)
-            deadline = time.monotonic() + timeout if timeout > 0 else None
-            blocking = functools.partial(
-                self._run_blocking, session, call_id, function, func, args, kwargs, job, deadline
-            )
-            agent.pool.submit(blocking if run_in is None else functools.partial(run_in.run, blocking))
+            self._queue_blocking(session, call_id, function, func, args, kwargs, run_in, timeout)
+
+    def _queue_blocking(
+        self,
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        run_in: contextvars.Context | None,
+        timeout: float,
+    ) -> None:
+        """Queue a call of a blocking function on the worker pool (any thread)."""
+        job = _ThreadJob()
+        session.track(call_id, job)
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        blocking = functools.partial(
+            self._run_blocking, session, call_id, function, func, args, kwargs, job, deadline
+        )
+        self.agent.pool.submit(blocking if run_in is None else functools.partial(run_in.run, blocking))
 
     def _confirmation_gate(
         self, function: str, unconfirmed: list[Unconfirmed], timeout: float
@@ -466,8 +669,11 @@ class Callee:
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e), sends=False)
             return
         # Answered from this thread, the loop not woken, when it is the peer's only call running
-        # here; otherwise through the loop, whose writer packs many answers into one write.
-        if len(session.running) == 1 and session.writer.write_now(entries):
+        # here (or the only one its reply channel carries); otherwise through the loop, whose
+        # writer packs many answers into one write.
+        if (type(session) is _AnsweredOnChannel or len(session.running) == 1) and session.writer.write_now(
+            entries
+        ):
             session.untrack(call_id)
             if session.arrivals:  # metrics are on: counted on the loop
                 inbox.post(lambda: self._served(session, call_id, function, True), sends=False)

@@ -32,6 +32,7 @@ from rpcdist import metrics, serialization
 from rpcdist._runtime import blocking_wait
 from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.extensions import run_undo
+from rpcdist.agent.markers import runs_on_thread
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.agent.threads import EmptyWaiter
 from rpcdist.errors import (
@@ -57,6 +58,7 @@ SWEEP_LINGER_SECONDS = 2.0
 # could be handed back): for small ones, such as a collective's latency-bound messages.
 NOTICE_MAX_BUFFER_BYTES = 1 << 20
 DIRECT_MIN_TIMEOUT = 1.0
+CHANNEL_REQUEST_MAX_BYTES = DIRECT_MAX_BYTES - 4096  # (its arguments; the frame adds a header)
 
 
 class QueuedNotice:
@@ -192,15 +194,20 @@ class Caller(LinkHandler):
                 agent.inbox.post(lambda: self._start(call))
             else:
                 self._start(call)
-        elif not (waited and self._send_from_thread(call, pulled)):
+        elif not (waited and self._send_from_thread(call, pulled, pulled and runs_on_thread(func))):
             agent.inbox.post(lambda: self._start(call))
         return future
 
-    def _send_from_thread(self, call: OutgoingCall, pulled: bool = False) -> bool:
+    def _send_from_thread(self, call: OutgoingCall, pulled: bool = False, plain: bool = False) -> bool:
         """Write ``call`` from this (non-loop) thread if its link is open with nothing queued,
         nothing this process submitted waits for the loop, the peer has room for it, and it is
         small; False: nothing was done. (Only calls their thread waits for next come here:
-        bursts go through the loop, whose writer packs many into one write.)"""
+        bursts go through the loop, whose writer packs many into one write.)
+
+        A ``pulled`` call takes a reply channel (co-located peers); one of a ``plain``
+        function (which the callee runs on a thread) carrying no RRef is written on that
+        channel itself, naming how many envelopes the link carried before it (see
+        ``Envelope.link_envelopes``), so the callee's thread reading the channel runs it."""
         agent = self._agent
         rank = call.dest.id
         timeout = call.timeout
@@ -217,8 +224,20 @@ class Caller(LinkHandler):
         channel = None
         if pulled and not getattr(call.undo, "ordered", False):  # (see decoded_in_order)
             channel = agent.transport.take_reply_channel(rank, agent.info.id)
+        link_envelopes = None  # (sent on the channel: what the link carried before)
+        if (
+            plain
+            and channel is not None
+            and channel.takes_requests
+            and rank not in self._deferred  # (those go ahead of it, on the link)
+            and len(call.payload) + sum(len(b) for b in call.buffers) <= CHANNEL_REQUEST_MAX_BYTES
+        ):
+            link_envelopes = link.writer.quiet_envelopes()
         call.call_id = call_id = next(self._call_ids)
-        entries = list(self._encode(call, channel.id if channel is not None else 0))
+        if link_envelopes is None:
+            entries = list(self._encode(call, channel.id if channel is not None else 0))
+        else:
+            entries = list(self._encode(call, channel.id, link.token, link_envelopes))  # type: ignore[union-attr, attr-defined]
         with self._lock:
             if self.waiting.get(rank) or self.in_flight.get(rank, 0) >= room:  # (again, now it counts)
                 if channel is not None:
@@ -235,8 +254,12 @@ class Caller(LinkHandler):
                 self._sweeping = True
             if channel is not None:
                 call.channel = channel  # (before the answer can come: the loop may see it)
-            deferred = self._deferred.pop(rank, None)  # (ahead of it, in the same write)
-        if not link.writer.write_now(deferred + entries if deferred else entries):
+            deferred = None if link_envelopes is not None else self._deferred.pop(rank, None)
+        if link_envelopes is not None:
+            written = self._send_on_channel(channel, entries, call)  # type: ignore[arg-type]
+        else:  # (the deferred notices go ahead of it, in the same write)
+            written = link.writer.write_now(deferred + entries if deferred else entries)
+        if not written:
             with self._lock:
                 del self.pending[call_id]
                 self.in_flight[rank] -= 1
@@ -256,6 +279,20 @@ class Caller(LinkHandler):
             call.future._interrupt = functools.partial(self._interrupt_reader, call)
         if wake_sweep:
             agent.loop.call_soon_threadsafe(self._sweep)
+        return True
+
+    @staticmethod
+    def _send_on_channel(
+        channel: ReplyChannel, entries: list[list[bytes | memoryview]], call: OutgoingCall
+    ) -> bool:
+        """Write a request on its reply channel; False (the channel closed for good) if it
+        cannot be written by the call's deadline."""
+        try:
+            channel.send(entries, call.deadline or None)
+        except OSError as exc:
+            log.info("reply channel to %s failed (the call goes on the link): %s", call.dest.name, exc)
+            channel.close()
+            return False
         return True
 
     def _sweep(self) -> None:
@@ -462,7 +499,9 @@ class Caller(LinkHandler):
             call.timer = agent.loop.call_later(call.timeout, self._expire, call_id)
         self._send(link, call)
 
-    def _encode(self, call: OutgoingCall, reply_channel: int = 0) -> Any:
+    def _encode(
+        self, call: OutgoingCall, reply_channel: int = 0, link_token: int = 0, link_envelopes: int = 0
+    ) -> Any:
         agent = self._agent
         return frames.encode_message(
             call.call_id,
@@ -475,6 +514,8 @@ class Caller(LinkHandler):
             caller_rank=agent.info.id,
             shared=call.shared,
             reply_channel=reply_channel,
+            link_token=link_token,
+            link_envelopes=link_envelopes,
         )
 
     def _send(self, link: Link, call: OutgoingCall) -> None:

@@ -83,6 +83,7 @@ class Agent:
             info.name,
             self.caller,
             self.callee.new_session,
+            make_channel_session=self.callee.new_channel_session,
             shm_threshold_bytes=options.shm_threshold_bytes,
             unix_sockets=options.transport != "grpc",
             tcp_links=options.transport == "tcp",
@@ -184,6 +185,7 @@ class Agent:
             return
         self.closing = True
         self.caller.flush_deferred()  # (notices kept to go out with the next message)
+        self.callee.close()
         await self.transport.close(graceful)
         self.caller.fail_all(lambda _: WorkerUnavailableError(f"worker {self.info.name} shut down"))
         self.pool.shutdown(timeout=1.0 if graceful else 0.1)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -28,6 +29,16 @@ def is_async_execution(fn: Any) -> bool:
 def is_inline(fn: Any) -> bool:
     """Whether ``fn`` is one of rpcdist's own loop-side handlers."""
     return bool(getattr(fn, INLINE_ATTR, False))
+
+
+def runs_on_thread(fn: Any) -> bool:
+    """Whether the callee runs ``fn`` on a thread (a plain function, ``async_execution`` or
+    not), rather than on its loop (``async def``, or one of rpcdist's inline handlers)."""
+    return not (
+        is_inline(fn)
+        or inspect.iscoroutinefunction(fn)
+        or inspect.iscoroutinefunction(getattr(fn, TORCH_ASYNC_EXECUTION_ATTR, None))
+    )
 
 
 def inline(func: F) -> F:

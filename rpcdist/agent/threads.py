@@ -157,6 +157,25 @@ class WorkerPool:
             self._jobs.append((time.monotonic(), job))
             self._watch_locked()
 
+    def enter(self) -> bool:
+        """A thread outside the pool (a reply channel's: see ``rpcdist.agent.callee``) takes a
+        running place to run a job itself, if one is free and no job is queued; until
+        :meth:`leave`, a :func:`blocking_wait` on it gives the place up as on a pool thread."""
+        with self._lock:
+            if self._closed or self._running >= self._limit or self._jobs:
+                return False
+            self._running += 1
+        pool_thread_of.pool = self
+        return True
+
+    def leave(self) -> None:
+        """The thread that :meth:`enter`-ed is done: its place goes to a queued job, if any."""
+        pool_thread_of.pool = None
+        with self._lock:
+            self._running -= 1
+            while self._jobs and self._running < self._limit and self._capacity_locked():
+                self._start_locked(self._jobs.popleft()[1])
+
     def _capacity_locked(self) -> bool:
         return bool(self._idle) or len(self._threads) < self._size
 

@@ -26,11 +26,26 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rpcdist.transport.writer import DirectWrite, FrameWriter, LoopWrite
+from rpcdist.transport.writer import FrameWriter
 
-__all__ = ["Accept", "Entries", "Link", "LinkHandler", "PeerAddress", "Session", "SessionFactory", "Write"]
+if TYPE_CHECKING:
+    from rpcdist.transport.framing import TakenReading
+
+__all__ = [
+    "Accept",
+    "ChannelSession",
+    "ChannelSessionFactory",
+    "Entries",
+    "Link",
+    "LinkHandler",
+    "PeerAddress",
+    "Session",
+    "SessionFactory",
+    "TakeReading",
+    "Write",
+]
 
 Entries = Iterator[list[bytes | memoryview]]
 """One message, as a lazy sequence of frame entries (see ``frames.encode_message``)."""
@@ -81,11 +96,30 @@ class Session(Protocol):
 SessionFactory = Callable[[FrameWriter], Session]
 """Makes the user's session of a new incoming connection, given the writer of its replies."""
 
-Accept = Callable[[Write, DirectWrite | None, LoopWrite | None], Session]
-"""What a carrier's server calls for each incoming connection, with the function that writes
-to it, and if the carrier has them the one that writes from any thread and the one that
-writes at once on the loop (the transport's own session, which answers heartbeats and passes
-the rest on)."""
+class ChannelSession(Protocol):
+    """The user's side of one reply channel a co-located caller opened: its thread hands it
+    every frame the caller sends there (see ``rpcdist.transport.reply_channel``)."""
+
+    def on_frame(self, raw: bytes | memoryview) -> None:
+        """Handle one frame, on the channel's thread; raises ``FrameError`` if it is malformed."""
+
+    def cleanup(self) -> None:
+        """The channel is gone (any thread)."""
+
+
+ChannelSessionFactory = Callable[[FrameWriter, int], ChannelSession]
+"""Makes the user's session of a new reply channel, given the writer of its answers and the
+rank of its caller."""
+
+TakeReading = Callable[[], "TakenReading | None"]
+"""Hands the reading of an incoming connection to a thread (see ``_FramedProtocol.take_reading``)."""
+
+Accept = Callable[..., Session]
+"""What a carrier's server calls for each incoming connection (``Write``, then ``DirectWrite |
+None``, ``LoopWrite | None`` and ``TakeReading | None``), with the function that writes to it,
+and if the carrier has them the one that writes from any thread, the one that writes at once
+on the loop and the one that hands its reading to a thread (the transport's own session,
+which answers heartbeats and passes the rest on)."""
 
 
 class Link(abc.ABC):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -29,11 +31,22 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from rpcdist import metrics
+from rpcdist._runtime import match_torch_threads
 from rpcdist.security import Security, server_interceptors
 from rpcdist.transport import frames, shm
-from rpcdist.transport.api import Link, LinkHandler, PeerAddress, Session, SessionFactory, Write
+from rpcdist.transport.api import (
+    ChannelSessionFactory,
+    Link,
+    LinkHandler,
+    PeerAddress,
+    Session,
+    SessionFactory,
+    TakeReading,
+    Write,
+)
+from rpcdist.transport.framing import TakenReading
 from rpcdist.transport.grpc_link import CHANNEL_OPTIONS, SERVICE, GrpcLink, exchange_handler
-from rpcdist.transport.reply_channel import ReplyChannel, ReplyChannels
+from rpcdist.transport.reply_channel import ReplyChannel, ReplyChannels, serve_requests
 from rpcdist.transport.tcp_link import TcpLink, serve_tcp
 from rpcdist.transport.unix_link import UnixLink, serve_unix
 from rpcdist.transport.writer import DirectWrite, FrameWriter, LoopWrite
@@ -54,7 +67,11 @@ class Transport(LinkHandler):
     ``make_session`` makes the session of each incoming connection. ``shm_threshold_bytes``
     (0: off) is the size from which buffers for co-located peers go through shared memory;
     ``unix_sockets=False`` keeps every peer on gRPC; ``tcp_links=True`` reaches peers on other
-    hosts over framed TCP instead of gRPC (both sides serve it).
+    hosts over framed TCP instead of gRPC (both sides serve it). ``make_channel_session`` makes
+    the session of a reply channel a co-located caller opened, given the writer of its answers
+    and its caller's rank: a thread of the channel's own hands it every frame the caller sends
+    there (its requests: see :mod:`rpcdist.transport.reply_channel`); without it, callers send
+    every request on their links.
 
     Heartbeats (gRPC links; a co-located peer's socket closes when it dies): a link the peer
     has been quiet on for ``heartbeat_interval`` seconds gets an empty frame, which the peer
@@ -76,6 +93,7 @@ class Transport(LinkHandler):
         handler: LinkHandler,
         make_session: SessionFactory,
         *,
+        make_channel_session: ChannelSessionFactory | None = None,
         shm_threshold_bytes: int = 512 << 10,
         unix_sockets: bool = True,
         tcp_links: bool = False,
@@ -114,6 +132,8 @@ class Transport(LinkHandler):
         # (caller rank, channel id) -> the writer of a reply channel a co-located caller opened
         # to us (see rpcdist.transport.reply_channel)
         self._reply_channels: dict[tuple[int, int], FrameWriter] = {}
+        self._make_channel_session = make_channel_session
+        self._channel_readers: set[socket.socket] = set()  # the sockets their threads read
         self._my_channels = ReplyChannels(self.security)  # ours, to co-located peers
 
     # ------------------------------------------------------------------ serving
@@ -170,25 +190,59 @@ class Transport(LinkHandler):
         return self.port
 
     def _accept(
-        self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
+        self,
+        write: Write,
+        direct: DirectWrite | None = None,
+        loop_write: LoopWrite | None = None,
+        take_reading: TakeReading | None = None,
     ) -> Session:
         """The session of an incoming connection: heartbeats answered here, the rest to the
         user's session, both through one writer (so they never write at once)."""
         return _AnsweringSession(self._make_session, write, direct, loop_write)
 
     def _accept_local(
-        self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
+        self,
+        write: Write,
+        direct: DirectWrite | None = None,
+        loop_write: LoopWrite | None = None,
+        take_reading: TakeReading | None = None,
     ) -> Session:
         """:meth:`_accept` for the Unix socket, whose connections may also be reply channels
         (told by their first frame)."""
-        return _LocalConnection(self, write, direct, loop_write)
+        return _LocalConnection(self, write, direct, loop_write, take_reading)
 
     def reply_writer(self, caller_rank: int, channel_id: int) -> FrameWriter | None:
         """The writer of reply channel ``channel_id`` of ``caller_rank`` (None if it is not open)."""
         return self._reply_channels.get((caller_rank, channel_id))
 
+    def _serve_channel(self, caller_rank: int, writer: FrameWriter, taken: TakenReading) -> None:
+        """Start the thread that reads the requests ``caller_rank`` sends on a reply channel and
+        hands them to that channel's session (which answers through ``writer``)."""
+        assert self._make_channel_session is not None
+        session = self._make_channel_session(writer, caller_rank)
+        self._channel_readers.add(taken.sock)
+
+        def serve() -> None:
+            match_torch_threads()  # (the session runs user functions on this thread)
+            try:
+                serve_requests(taken.sock, taken.frames, session.on_frame)
+            except (OSError, frames.FrameError) as exc:
+                if not self._closed:
+                    log.info("%s: closing a reply channel of rank %s: %s", self.name, caller_rank, exc)
+            finally:
+                self._channel_readers.discard(taken.sock)
+                taken.sock.close()
+                session.cleanup()
+                taken.close()
+
+        threading.Thread(target=serve, name=f"rpcdist-{self.name}-channel-{caller_rank}", daemon=True).start()
+
     def _accept_watched(
-        self, write: Write, direct: DirectWrite | None = None, loop_write: LoopWrite | None = None
+        self,
+        write: Write,
+        direct: DirectWrite | None = None,
+        loop_write: LoopWrite | None = None,
+        take_reading: TakeReading | None = None,
     ) -> Session:
         """:meth:`_accept` for a network carrier (gRPC, TCP), whose links heartbeat: what the
         peer sends on its own connection counts as hearing from it (see :meth:`_heard_from`)."""
@@ -446,6 +500,11 @@ class Transport(LinkHandler):
             return
         self._closed = True
         self._my_channels.close()
+        for sock in list(self._channel_readers):  # their threads see the end and stop
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             self._heartbeats = None
@@ -472,15 +531,23 @@ class Transport(LinkHandler):
 class _LocalConnection:
     """An incoming Unix-socket connection: a caller's link (handled by an
     :class:`_AnsweringSession`) or, if its first frame opens one, a reply channel, which the
-    transport registers (and acknowledges with that same frame) until it closes."""
+    transport registers (and acknowledges with that same frame) until it closes. A thread of
+    the channel's own then reads the requests the caller sends there (see
+    :meth:`Transport._serve_channel`)."""
 
-    __slots__ = ("_transport", "_write", "_direct", "_loop_write", "_inner", "_channel")
+    __slots__ = ("_transport", "_write", "_direct", "_loop_write", "_take_reading", "_inner", "_channel")
 
     def __init__(
-        self, transport: Transport, write: Write, direct: DirectWrite | None, loop_write: LoopWrite | None
+        self,
+        transport: Transport,
+        write: Write,
+        direct: DirectWrite | None,
+        loop_write: LoopWrite | None,
+        take_reading: TakeReading | None,
     ) -> None:
         self._transport = transport
         self._write, self._direct, self._loop_write = write, direct, loop_write
+        self._take_reading = take_reading
         self._inner: _AnsweringSession | None = None
         self._channel: tuple[tuple[int, int], FrameWriter] | None = None
 
@@ -489,7 +556,7 @@ class _LocalConnection:
             self._inner.on_frame(raw)
             return
         if self._channel is not None:
-            raise frames.FrameError("a reply channel carries no frames from its caller")
+            raise frames.FrameError("a reply channel's requests are read by its own thread")
         opening = frames.channel_opening(raw)
         if opening is None:
             self._inner = _AnsweringSession(
@@ -501,7 +568,14 @@ class _LocalConnection:
         writer.loop_write = self._loop_write
         self._channel = (opening, writer)
         self._transport._reply_channels[opening] = writer
-        writer.send(iter([frames.encode_control(opening[1], frames.REPLY_CHANNEL, opening[0])]))
+        taken = None
+        if self._take_reading is not None and self._transport._make_channel_session is not None:
+            taken = self._take_reading()
+        caller_rank, channel_id = opening
+        ack = frames.encode_control(channel_id, frames.REPLY_CHANNEL, caller_rank, taken is not None)
+        writer.send(iter([ack]))
+        if taken is not None:
+            self._transport._serve_channel(caller_rank, writer, taken)
 
     async def finish(self) -> None:
         if self._inner is not None:

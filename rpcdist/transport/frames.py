@@ -34,6 +34,7 @@ CHUNK = agent_pb2.CHUNK
 NOTIFY = agent_pb2.NOTIFY
 SLOTS_READ = agent_pb2.SLOTS_READ
 REPLY_CHANNEL = agent_pb2.REPLY_CHANNEL
+LINK_OPENING = agent_pb2.LINK_OPENING
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -99,6 +100,8 @@ class Envelope:
     caller_rank: int = 0
     shared_buffers: list[str] = field(default_factory=list)
     reply_channel: int = 0
+    link_token: int = 0
+    link_envelopes: int = 0
 
 
 class FrameError(ValueError):
@@ -170,6 +173,10 @@ def _decode_envelope(buf: memoryview, pos: int, end: int) -> Envelope:
                 env.buffer_sizes.append(value)
             elif number == 10:
                 env.reply_channel = value
+            elif number == 11:
+                env.link_token = value
+            elif number == 12:
+                env.link_envelopes = value
         elif wire_type == 2:
             length, pos = _read_varint(buf, pos, end)
             stop = pos + length
@@ -215,11 +222,15 @@ def encode_message(
     caller_rank: int = 0,
     shared: Sequence[str] = (),
     reply_channel: int = 0,
+    link_token: int = 0,
+    link_envelopes: int = 0,
 ) -> Iterator[list[bytes | memoryview]]:
     """Yield the envelope entries of one message: a header, then CHUNKs of its buffer bytes.
 
     ``shared`` names, per buffer, the shared-memory file already holding it ("" = inline).
     ``reply_channel``: a request's, the channel its answer goes to (0: the caller's link).
+    ``link_token``, ``link_envelopes``: a request sent on that channel, the caller's link and
+    how many envelopes it had written there before (see ``Envelope`` in agent.proto).
     Entries are made lazily, so a 1 GiB tensor is never copied whole into a queue.
     """
     sizes = [len(b) for b in buffers]
@@ -242,6 +253,9 @@ def encode_message(
         fields["shared_buffers"] = shared
     if reply_channel:
         fields["reply_channel"] = reply_channel
+    if link_token:
+        fields["link_token"] = link_token
+        fields["link_envelopes"] = link_envelopes
     header = agent_pb2.Envelope(**fields).SerializeToString()
     total = sum(len(b) for b in buffers)
     if total <= chunk_bytes:
@@ -256,16 +270,23 @@ def encode_message(
             yield _envelope_entry(chunk_header, view[start : start + chunk_bytes])
 
 
-def encode_control(call_id: int, kind: int, caller_rank: int = 0) -> list[bytes | memoryview]:
-    """A bodiless envelope entry (e.g. CANCEL, or REPLY_CHANNEL with its caller's rank)."""
-    fields = {"call_id": call_id, "kind": kind}
+def encode_control(
+    call_id: int, kind: int, caller_rank: int = 0, takes_requests: bool = False
+) -> list[bytes | memoryview]:
+    """A bodiless envelope entry (e.g. CANCEL, REPLY_CHANNEL with its caller's rank, or
+    LINK_OPENING with its link's token as ``call_id``). ``takes_requests``: a callee's
+    acknowledgement of a reply channel that it reads requests on too."""
+    fields: dict[str, int] = {"call_id": call_id, "kind": kind}
     if caller_rank:
         fields["caller_rank"] = caller_rank
+    if takes_requests:
+        fields["reply_channel"] = 1
     return _envelope_entry(agent_pb2.Envelope(**fields).SerializeToString(), b"")
 
 
 def channel_opening(raw: bytes | memoryview) -> tuple[int, int] | None:
-    """``(caller_rank, channel id)`` if ``raw`` is the frame that opens a reply channel."""
+    """``(caller_rank, channel id)`` if ``raw`` is the frame that opens a reply channel (or
+    acknowledges it: see :func:`takes_requests`)."""
     if len(raw) > 64:  # (an opening is a few bytes: a call's frame is never mistaken for one)
         return None
     try:
@@ -275,6 +296,11 @@ def channel_opening(raw: bytes | memoryview) -> tuple[int, int] | None:
     if len(envelopes) != 1 or envelopes[0].kind != REPLY_CHANNEL:
         return None
     return envelopes[0].caller_rank, envelopes[0].call_id
+
+
+def takes_requests(ack: bytes | memoryview) -> bool:
+    """Whether a reply channel's acknowledgement says the callee reads requests on it too."""
+    return agent_pb2.Frame.FromString(bytes(ack)).envelopes[0].reply_channel == 1
 
 
 def _in_place(data: memoryview | bytes, sizes: list[int]) -> list[memoryview] | None:

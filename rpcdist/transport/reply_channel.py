@@ -1,13 +1,23 @@
 """Reply channels: a co-located callee answers a waiting thread's call on a socket that thread
-reads itself.
+reads itself, and runs the thread's plain calls from a socket it reads on a thread of its own.
 
 A call's answer normally comes back on the caller's link, read by the event loop, which then
 wakes the thread waiting for it: two thread wake-ups per answer, each 20-40 µs of an idle vCPU
 on a VM. A thread that sends a call and waits for it next (``rpc_sync``, ``to_here()``, a
 backward pass) can instead name one of its reply channels in the request: the callee writes
 the answer there, and the kernel wakes the waiting thread straight from its ``recv``; the loop
-never wakes. The request itself still travels on the caller's link, so everything a worker
-sends a peer keeps its order.
+never wakes.
+
+The request side has the same two hops on the callee (its loop wakes to read the request,
+then wakes a pool thread to run it), so when the callee's acknowledgement says it reads
+requests there too, the call of a plain function carrying no RRef is written on the channel
+itself, and the callee's thread reading the channel runs it (:func:`serve_requests`): a round
+trip costs two thread wake-ups instead of four. Order is kept with the caller's link: the
+request names the link (the token of its ``LINK_OPENING``) and how many envelopes the caller had
+written there before it, and the callee runs it only once its loop has handled that many, so
+everything a worker sends a peer keeps its order whichever socket carries it. Other requests
+(``remote()``, RRef proxies, ``async def`` functions) travel on the link and are answered on
+the channel.
 
 A channel is a Unix-socket connection to the callee's server that authenticates as any link
 does, then sends a ``REPLY_CHANNEL`` frame (its id and its caller's rank); the callee sends the
@@ -20,21 +30,19 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import struct
 import threading
 import time
+from collections.abc import Callable
 
 from rpcdist.security import ACCEPTED, REFUSED, VERDICT_BYTES, Security
-from rpcdist.transport import frames, warm
+from rpcdist.transport import frames
 from rpcdist.transport.frames import FrameError
-from rpcdist.transport.grpc_link import GRPC_MESSAGE_LIMIT
+from rpcdist.transport.framing import FrameSplitter, send_frames
 
 log = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("<Q")
-_STAGING_BYTES = 256 << 10
-_BIG_FRAME_BYTES = 64 << 10  # as on the links: read straight into an aligned buffer of its own
 OPEN_TIMEOUT = 5.0  # seconds to connect, authenticate and be registered
+_IDLE_POLL_SECONDS = 3600.0  # a callee's channel thread waits this long per read (never forever)
 _channel_ids = itertools.count(1)
 
 
@@ -43,17 +51,13 @@ class ChannelClosed(ConnectionError):
 
 
 class ReplyChannel:
-    """The caller's end of one reply channel: a blocking socket, read by one thread at a time."""
+    """The caller's end of one reply channel: a blocking socket, used by one thread at a time."""
 
     def __init__(self, rank: int, path: str, security: Security, caller_rank: int) -> None:
         self.rank = rank
         self.id = next(_channel_ids)
         self.assemblies: dict[int, frames.Assembly] = {}  # answers still missing CHUNKs
-        self._staging = bytearray(_STAGING_BYTES)
-        self._staged = memoryview(self._staging)
-        self._start = self._end = 0  # unread bytes: _staging[_start:_end]
-        self._big: memoryview | None = None  # a big frame being read, and how much is in
-        self._big_filled = 0
+        self._frames = FrameSplitter()
         self._closed = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -67,12 +71,13 @@ class ReplyChannel:
                     if verdict == REFUSED
                     else "the peer did not answer the handshake"
                 )
-            opening = b"".join(frames.encode_control(self.id, frames.REPLY_CHANNEL, caller_rank))
-            sock.sendall(_LENGTH.pack(len(opening)) + opening)
+            opening = frames.encode_control(self.id, frames.REPLY_CHANNEL, caller_rank)
             self._sock = sock
+            self.send([opening], time.monotonic() + OPEN_TIMEOUT)
             ack = self.read_frame(time.monotonic() + OPEN_TIMEOUT)
             if ack is None or frames.channel_opening(ack) != (caller_rank, self.id):
                 raise ConnectionError("the peer did not register the reply channel")
+            self.takes_requests = frames.takes_requests(ack)  # (see Envelope.link_envelopes)
         except BaseException:
             sock.close()
             raise
@@ -87,12 +92,18 @@ class ReplyChannel:
             data += more
         return data
 
+    def send(self, entries: list[list[bytes | memoryview]], deadline: float | None) -> None:
+        """Write one frame of these envelope entries (a request: see
+        ``Envelope.link_envelopes``); raises OSError (TimeoutError past ``deadline``)."""
+        send_frames(self._sock, [[piece for entry in entries for piece in entry]], deadline)
+
     def read_frame(self, deadline: float | None) -> bytes | memoryview | None:
         """The next frame (blocking); None once ``deadline`` (``time.monotonic()``) passes
         first, with any partial frame kept for the next read. Raises :class:`ChannelClosed`
         if the callee closed the channel or :meth:`interrupt` was called."""
+        splitter = self._frames
         while True:
-            frame = self._next_buffered()
+            frame = splitter.next_frame()
             if frame is not None:
                 return frame
             if deadline is None:
@@ -102,62 +113,15 @@ class ReplyChannel:
                 if remaining <= 0:
                     return None
                 self._sock.settimeout(remaining)
-            into = self._big[self._big_filled :] if self._big is not None else self._room()
             try:
-                received = self._sock.recv_into(into)
+                received = self._sock.recv_into(splitter.room())
             except TimeoutError:
                 return None
             except OSError as exc:
                 raise ChannelClosed(f"reply channel broken: {exc}") from exc
             if not received:
                 raise ChannelClosed("the callee closed the reply channel")
-            if self._big is not None:
-                self._big_filled += received
-            else:
-                self._end += received
-
-    def _room(self) -> memoryview:
-        if self._end == _STAGING_BYTES:  # move the unread tail to the front
-            unread = self._end - self._start
-            self._staging[:unread] = bytes(self._staged[self._start : self._end])
-            self._start, self._end = 0, unread
-        return self._staged[self._end :]
-
-    def _next_buffered(self) -> bytes | memoryview | None:
-        """A complete frame from what was read, if there is one (starts reading a big one)."""
-        big = self._big
-        if big is not None:
-            if self._big_filled < len(big):
-                return None
-            self._big = None
-            return big
-        available = self._end - self._start
-        if available < 8:
-            return None
-        start = self._start
-        (length,) = _LENGTH.unpack_from(self._staged, start)
-        if length > GRPC_MESSAGE_LIMIT:
-            raise FrameError(f"frame of {length} bytes is above the {GRPC_MESSAGE_LIMIT} limit")
-        if length >= _BIG_FRAME_BYTES:
-            big = warm.receive_buffer(length)
-            have = min(available - 8, length)
-            big[:have] = self._staged[start + 8 : start + 8 + have]
-            self._start = start + 8 + have
-            self._reset_if_drained()
-            if have < length:
-                self._big, self._big_filled = big, have
-                return None
-            return big
-        if available - 8 < length:
-            return None
-        self._start = start + 8 + length
-        frame = bytes(self._staged[start + 8 : self._start])
-        self._reset_if_drained()
-        return frame
-
-    def _reset_if_drained(self) -> None:
-        if self._start == self._end:
-            self._start = self._end = 0
+            splitter.filled(received)
 
     def interrupt(self) -> None:
         """Wake the thread reading this channel (any thread): its read raises ChannelClosed.
@@ -175,6 +139,26 @@ class ReplyChannel:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def serve_requests(
+    sock: socket.socket, splitter: FrameSplitter, on_frame: Callable[[bytes | memoryview], None]
+) -> None:
+    """The callee's end of a reply channel, on a thread of its own: hand every frame the caller
+    sends (its requests) to ``on_frame``, on this thread, until the caller closes the channel.
+    ``sock`` shares its open file with the loop's transport (which writes the answers), so it
+    is always read with a timeout: a blocking handle would make the loop's writes block too."""
+    sock.settimeout(_IDLE_POLL_SECONDS)
+    while True:
+        while (frame := splitter.next_frame()) is not None:
+            on_frame(frame)
+        try:
+            received = sock.recv_into(splitter.room())
+        except TimeoutError:
+            continue
+        if not received:
+            return
+        splitter.filled(received)
 
 
 class ReplyChannels:

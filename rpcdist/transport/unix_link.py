@@ -11,26 +11,19 @@ import asyncio
 import logging
 import os
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from rpcdist._runtime import stray_cancellation, wait_for
 from rpcdist.security import ACCEPTED, HELLO_BYTES, REFUSED, VERDICT_BYTES, Security
-from rpcdist.transport import warm
 from rpcdist.transport.api import Accept, Link, LinkHandler, PeerAddress, Session
-from rpcdist.transport.frames import FrameError
-from rpcdist.transport.grpc_link import GRPC_MESSAGE_LIMIT
+from rpcdist.transport.frames import LINK_OPENING, FrameError, encode_control
+from rpcdist.transport.framing import BIG_FRAME_BYTES, LENGTH, FrameSplitter, TakenReading
 from rpcdist.transport.writer import FrameWriter
 
 log = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("<Q")
-
-
-_STAGING_BYTES = 256 << 10
-_BIG_FRAME_BYTES = 64 << 10
 
 HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 
@@ -38,9 +31,9 @@ HELLO_TIMEOUT = 10.0  # seconds a new connection has to authenticate
 class _FramedProtocol(asyncio.BufferedProtocol):
     """Length-prefixed frames over a stream socket, with write flow control.
 
-    Small frames are read many per ``recv`` into a staging buffer; a big frame is read by the
-    kernel straight into an aligned buffer of its own, handed on as it is (a writable
-    memoryview: tensors decoded from it may keep its memory instead of copying it out).
+    The bytes are cut into frames by a :class:`~rpcdist.transport.framing.FrameSplitter`
+    (big frames land in aligned buffers of their own), which a reply channel's thread takes
+    over with the socket (:meth:`take_reading`).
 
     Before any frame, the connection authenticates once: a client (``hello`` given) writes its
     hello first and reads the server's verdict (a refusal closes the connection, reported as
@@ -63,12 +56,8 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         self._refusal = ""
         self._on_frame = on_frame
         self._on_eof = on_eof
-        self._staging = bytearray(_STAGING_BYTES)
-        self._staged = memoryview(self._staging)
-        self._start = 0  # unread bytes are _staging[_start:_end]
-        self._end = 0
-        self._big: memoryview | None = None  # the big frame being read, and how much of it is in
-        self._big_filled = 0
+        self._frames = FrameSplitter()
+        self._reading_taken = False  # a thread reads the socket now (see take_reading)
         self.transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -122,7 +111,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
             or transport.get_write_buffer_size()
         ):
             return False
-        data = b"".join([_LENGTH.pack(size), *pieces])
+        data = b"".join([LENGTH.pack(size), *pieces])
         with self._direct_lock:
             handle = self._direct_socket
             if handle is None:
@@ -157,11 +146,9 @@ class _FramedProtocol(asyncio.BufferedProtocol):
 
     def _shake(self) -> bool:
         """Consume the handshake from the staging buffer; whether frames may follow."""
-        if self._end - self._start < self._handshake:
+        got = self._frames.take(self._handshake)
+        if got is None:
             return False
-        start = self._start
-        got = bytes(self._staged[start : start + self._handshake])
-        self._start = start + self._handshake
         self._handshake = 0
         transport = self.transport
         assert transport is not None
@@ -188,60 +175,53 @@ class _FramedProtocol(asyncio.BufferedProtocol):
 
     # -- reading ----------------------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._big is not None:
-            return self._big[self._big_filled :]
-        if self._end == _STAGING_BYTES:  # make room: move the unread tail to the front
-            unread = self._end - self._start
-            self._staging[:unread] = bytes(self._staged[self._start : self._end])  # no overlap risk
-            self._start, self._end = 0, unread
-        return self._staged[self._end :]
+        return self._frames.room()
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._big is not None:
-            self._big_filled += nbytes
-            if self._big_filled == len(self._big):
-                frame, self._big = self._big, None
-                self._on_frame(frame)
-            return
-        self._end += nbytes
+        frames = self._frames
+        frames.filled(nbytes)
         if self._handshake or self._refusal:
             if self._refusal or not self._shake():
                 if self._refusal:  # refused: nothing more it sends is looked at
-                    self._start = self._end = 0
+                    frames.clear()
                 return
         try:
-            self._split()
+            while (frame := frames.next_frame()) is not None:
+                self._on_frame(frame)
+                if self._reading_taken:
+                    return
         except FrameError as exc:
             log.warning("closing a connection that sent a malformed frame: %s", exc)
-            self._start = self._end = 0
+            frames.clear()
             if self.transport is not None:
                 self.transport.abort()
 
-    def _split(self) -> None:
-        """Hand on every complete frame in the staging buffer; start reading a big one."""
-        staged = self._staged
-        while self._end - self._start >= 8:
-            start = self._start
-            (length,) = _LENGTH.unpack_from(staged, start)
-            if length > GRPC_MESSAGE_LIMIT:
-                raise FrameError(f"frame of {length} bytes is above the {GRPC_MESSAGE_LIMIT} limit")
-            available = self._end - start - 8
-            if length >= _BIG_FRAME_BYTES:
-                big = warm.receive_buffer(length)  # aligned as tensor memory (frames.align_data)
-                have = min(available, length)
-                big[:have] = staged[start + 8 : start + 8 + have]
-                self._start = start + 8 + have
-                if have < length:
-                    self._big, self._big_filled = big, have
-                    break
-                self._on_frame(big)
-                continue
-            if available < length:
-                break
-            self._start = start + 8 + length
-            self._on_frame(bytes(staged[start + 8 : self._start]))
-        if self._start == self._end:
-            self._start = self._end = 0
+    def take_reading(self) -> TakenReading | None:
+        """From a frame handler, on the loop: stop reading this connection here and hand it to a
+        thread, which reads what follows (see :class:`TakenReading`). The loop keeps writing;
+        the thread closes the connection once the peer ended it. None if this connection
+        cannot be read so (TLS, or no socket)."""
+        transport = self.transport
+        if transport is None or transport.get_extra_info("sslcontext") is not None:
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return None
+        try:
+            handle = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError as exc:
+            log.debug("cannot hand this connection's reading to a thread: %s", exc)
+            return None
+        transport.pause_reading()
+        self._reading_taken = True
+        return TakenReading(handle, self._frames, self._close_soon)
+
+    def _close_soon(self) -> None:
+        """Close the connection (any thread)."""
+        try:
+            self._loop.call_soon_threadsafe(lambda: self.transport is not None and self.transport.close())
+        except RuntimeError:  # the loop is closed: so is the connection
+            pass
 
     def eof_received(self) -> bool:
         self._on_eof()
@@ -284,15 +264,19 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         size = 0
         for piece in pieces:
             size += len(piece)
-        if size < _BIG_FRAME_BYTES:
-            transport.write(b"".join([_LENGTH.pack(size), *pieces]))
+        if size < BIG_FRAME_BYTES:
+            transport.write(b"".join([LENGTH.pack(size), *pieces]))
         else:
-            transport.writelines([_LENGTH.pack(size), *pieces])
+            transport.writelines([LENGTH.pack(size), *pieces])
 
 
 class UnixLink(Link):
     """Frames over a Unix-domain socket to a co-located peer (whose death closes it at once,
-    so it needs no heartbeats)."""
+    so it needs no heartbeats).
+
+    Its first envelope is a ``LINK_OPENING`` with its ``token``: requests this worker sends the
+    peer on reply channels name the token and how many envelopes the link carried before them
+    (see ``rpcdist.transport.reply_channel``)."""
 
     heartbeats = False
 
@@ -302,6 +286,8 @@ class UnixLink(Link):
         self._protocol: _FramedProtocol | None = None
         self._connected = asyncio.get_running_loop().create_task(self._connect(path))
         self.writer = FrameWriter(self._write, peer.name)
+        self.token = int.from_bytes(os.urandom(8), "little") >> 1 or 1
+        self.writer.send(iter([encode_control(self.token, LINK_OPENING)]))
         self.reader = asyncio.get_running_loop().create_task(
             self._watch(), name=f"rpcdist-reader-{peer.name}"
         )
@@ -401,7 +387,9 @@ def connection_factory(accept: Accept, security: Security) -> Callable[[], _Fram
         def on_frame(raw: bytes | memoryview) -> None:
             session = holder.get("session")
             if session is None:  # the first frame after an accepted hello
-                session = accept(protocol.write, protocol.try_write, protocol.write_on_loop)
+                session = accept(
+                    protocol.write, protocol.try_write, protocol.write_on_loop, protocol.take_reading
+                )
                 holder["session"] = session
             session.on_frame(raw)
 

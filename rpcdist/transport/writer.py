@@ -80,6 +80,8 @@ class FrameWriter:
         self._unwritten: dict[int, Callable[[bool], None]] = {}
         self._finished: list[int] = []
         self._keys = itertools.count()
+        # Envelopes handed to the carrier so far (counted under ``lock``): see quiet_envelopes.
+        self.envelopes = 0
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._run(), name=f"rpcdist-writer-{name}")
 
@@ -127,12 +129,29 @@ class FrameWriter:
         try:
             if self._messages or self._held is not None or self._heartbeat_due or not direct(pieces, size):
                 return False
+            self.envelopes += len(entries)
         finally:
             self.lock.release()
         traffic = self.traffic
         if traffic is not None:
             traffic.sent += size
         return True
+
+    def quiet_envelopes(self) -> int | None:
+        """From any thread: the number of envelopes handed to the carrier so far, if nothing is
+        queued or being written, so that every message sent before is among them (a request
+        sent on another socket may then name that count: see ``Envelope.link_envelopes``);
+        else None."""
+        if self.direct is None or self._messages or self._held is not None or self._closed:
+            return None
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            if self._messages or self._held is not None:
+                return None
+            return self.envelopes
+        finally:
+            self.lock.release()
 
     def send_heartbeat(self) -> None:
         """Queue one empty frame (a heartbeat, or its answer): it goes out before the next
@@ -202,9 +221,9 @@ class FrameWriter:
                 if not await self._write_batch(messages):
                     return
 
-    @staticmethod
-    def _next_frame(messages: collections.deque[Entries]) -> tuple[list[bytes | memoryview], int]:
-        """The pieces (and size) of the next frame, taken from the queued messages."""
+    def _next_frame(self, messages: collections.deque[Entries]) -> tuple[list[bytes | memoryview], int]:
+        """The pieces (and size) of the next frame, taken from the queued messages (under
+        ``lock``)."""
         pieces: list[bytes | memoryview] = []
         size = 0
         while messages and size < MAX_FRAME_BYTES:
@@ -212,6 +231,7 @@ class FrameWriter:
             if entry is None:
                 messages.popleft()
                 continue
+            self.envelopes += 1
             if len(entry) == 4 and len(entry[3]) >= ALIGNED_DATA_BYTES:
                 entry = align_data(entry, size)  # the receiver may keep it in place
             pieces += entry

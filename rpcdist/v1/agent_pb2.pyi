@@ -18,6 +18,7 @@ class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOTIFY: _ClassVar[Kind]
     SLOTS_READ: _ClassVar[Kind]
     REPLY_CHANNEL: _ClassVar[Kind]
+    LINK_OPENING: _ClassVar[Kind]
 KIND_UNSPECIFIED: Kind
 REQUEST: Kind
 RESPONSE: Kind
@@ -27,6 +28,7 @@ CHUNK: Kind
 NOTIFY: Kind
 SLOTS_READ: Kind
 REPLY_CHANNEL: Kind
+LINK_OPENING: Kind
 
 class Frame(_message.Message):
     __slots__ = ("envelopes",)
@@ -35,7 +37,7 @@ class Frame(_message.Message):
     def __init__(self, envelopes: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers", "reply_channel")
+    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers", "reply_channel", "link_token", "link_envelopes")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,8 @@ class Envelope(_message.Message):
     CALLER_RANK_FIELD_NUMBER: _ClassVar[int]
     SHARED_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     REPLY_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    LINK_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LINK_ENVELOPES_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     kind: Kind
     payload: bytes
@@ -56,4 +60,6 @@ class Envelope(_message.Message):
     caller_rank: int
     shared_buffers: _containers.RepeatedScalarFieldContainer[str]
     reply_channel: int
-    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ..., reply_channel: _Optional[int] = ...) -> None: ...
+    link_token: int
+    link_envelopes: int
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ..., reply_channel: _Optional[int] = ..., link_token: _Optional[int] = ..., link_envelopes: _Optional[int] = ...) -> None: ...
