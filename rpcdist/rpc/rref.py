@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import inspect
 import itertools
 import logging
 import threading
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from rpcdist import serialization
-from rpcdist._runtime import current_loop
+from rpcdist._runtime import blocking_wait, current_loop
 from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import (
     confirmation_gate,
@@ -49,7 +50,7 @@ from rpcdist.agent.extensions import (
     ordered_receiver,
     pickling_message,
 )
-from rpcdist.agent.markers import RunAsCall, inline
+from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR, RunAsCall, inline, is_async_execution
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
@@ -563,11 +564,13 @@ class _Proxy:
             if mode == "remote":
                 _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
-            sync = mode == "sync"
-            future = agent.submit(
-                rref.owner(), _call_method, call_args, None, timeout, waited=sync, pulled=sync
-            )
-            return future.wait() if sync else future
+            if mode == "sync":  # this thread holds the RRef until the answer: the owner's value stays
+                owned_args = (rref._id, method, args, kwargs)
+                owned = agent.submit(
+                    rref.owner(), _call_owned, owned_args, None, timeout, waited=True, pulled=True
+                )
+                return owned.wait()
+            return agent.submit(rref.owner(), _call_method, call_args, None, timeout)
 
         call.__name__ = method
         return call
@@ -652,16 +655,20 @@ def _has_attribute(rref: RRef[Any], name: str) -> Any:
     return _when_owned(rref._id, lambda value: hasattr(value, name))
 
 
-@trust
-@inline
-def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
-    agent = _agent()
+def _check_restricted(agent: Agent, method: str) -> None:
     if agent.options.restricted and (not isinstance(method, str) or method.startswith("_")):
         raise RestrictedError(
             f"restricted mode refused calling {method!r} through an RRef: only public methods "
             "(names without a leading underscore) of an RRef's value can be called"
         )
+
+
+@trust
+@inline
+def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """On the owner: ``getattr(value, method)(*args, **kwargs)``, run as calls are run."""
+    agent = _agent()
+    _check_restricted(agent, method)
     entry = _context().entry(rref._id)
     if entry.value.done() and confirmation_gate.get() is None:
         # The usual case: the method runs as a plain call to it would (a pool thread answers).
@@ -669,6 +676,49 @@ def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: di
     return _when_owned(
         rref._id, lambda value: agent.start_user_function(getattr(value, method), args, kwargs)
     )
+
+
+@trust
+def _call_owned(rref_id: RRefId, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """On the owner, on the thread that runs the call: ``rref.rpc_sync().method(...)``. Its
+    caller holds the RRef until the answer, so the value cannot go meanwhile: it is looked up
+    by id (no RRef is sent, so none is rebuilt and counted, which only the loop may do), and
+    a plain method runs right on that thread (a pool thread, or the thread reading the
+    caller's reply channel). An ``async def`` or ``async_execution`` method's coroutine or
+    Future is the answer's (this function is ``async_execution``: the callee awaits it)."""
+    agent = _agent()
+    _check_restricted(agent, method)
+    entry = _context().owned.get(rref_id)
+    if entry is None or not entry.value.done():  # (being created: remote() just before, say)
+        _wait_for_value(agent, rref_id)
+        entry = _context().owned.get(rref_id)
+        if entry is None:
+            raise RpcError(f"the RRef {rref_id} owned by {agent.info.name} was deleted")
+    bound = getattr(_value_or_copy_of_error(entry.value), method)
+    result = bound(*args, **kwargs)
+    if is_async_execution(bound) or inspect.iscoroutine(result):
+        return result
+    done: Future[Any] = Future()
+    done.set_result(result)
+    return done
+
+
+setattr(_call_owned, ASYNC_EXECUTION_ATTR, True)  # (returns a Future or a coroutine; see above)
+
+
+def _wait_for_value(agent: Agent, rref_id: RRefId) -> None:
+    """Wait (on a thread, not the loop) until the owner's value of ``rref_id`` exists."""
+    arrived = threading.Event()
+    context = _context()
+    agent.on_loop(
+        lambda: context.entry(rref_id).value.add_done_callback(lambda _: arrived.set()), sends=False
+    )
+    limit = agent.options.rpc_timeout
+    with blocking_wait():
+        if not arrived.wait(limit if limit > 0 else None):
+            raise RpcTimeoutError(
+                f"the value of RRef {rref_id} does not exist on {agent.info.name} after {limit:g} s"
+            )
 
 
 @trust
