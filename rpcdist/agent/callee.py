@@ -29,6 +29,7 @@ from rpcdist.agent.markers import (
     RunAsCall,
     is_async_execution,
     is_inline,
+    runs_anywhere,
     runs_on_thread,
 )
 from rpcdist.agent.threads import EmptyWaiter, settle
@@ -168,29 +169,43 @@ class ChannelCalls:
         self.assemblies: dict[int, frames.Assembly] = {}
 
     def on_frame(self, raw: bytes | memoryview) -> None:
-        """One frame from the caller (on the channel's thread)."""
+        """One frame from the caller (on the channel's thread): a request in one envelope,
+        after the notices its caller deferred (see ``Caller.notify``)."""
         try:
             max_bytes = self.callee.agent.options.max_payload_bytes
         except ReferenceError:  # the agent is gone: so is every answer
             raise frames.FrameError("the worker shut down") from None
-        for env in frames.decode_frame(raw):
-            if env.kind not in (frames.REQUEST, frames.CHUNK) or env.shared_buffers:
-                raise frames.FrameError(f"a reply channel carries plain requests only, not kind {env.kind}")
-            message = frames.collect(self.assemblies, env, max_bytes)
-            if message is not None:
-                self._request(*message)
-
-    def _request(self, header: Any, buffers: list[memoryview] | Exception) -> None:
+        envelopes = frames.decode_frame(raw)
+        request = envelopes[-1] if envelopes else None
+        if (
+            request is None
+            or request.kind != frames.REQUEST
+            or request.caller_rank != self.caller_rank
+            or not request.link_token
+            or any(env.kind != frames.NOTIFY or env.shared_buffers for env in envelopes[:-1])
+            or request.shared_buffers
+        ):
+            raise frames.FrameError("a reply channel carries one plain request at a time, after notices")
         callee = self.callee
-        agent = callee.agent
-        if header.caller_rank != self.caller_rank or not header.link_token:
-            raise frames.FrameError("a request on a reply channel names its caller's link")
-        timeout = header.timeout_seconds
+        timeout = request.timeout_seconds
         session = callee.wait_for_link(
-            header.link_token, header.link_envelopes, time.monotonic() + timeout if timeout > 0 else None
+            request.link_token, request.link_envelopes, time.monotonic() + timeout if timeout > 0 else None
         )
         if session is None:  # its link ended, or the call timed out: nobody waits for it
             return
+        for env in envelopes:
+            message = frames.collect(self.assemblies, env, max_bytes)
+            if message is None:
+                raise frames.FrameError("a message on a reply channel comes whole, in one envelope")
+            if env.kind == frames.NOTIFY:
+                callee.on_notice_here(session, *message)
+            else:
+                self._request(session, *message)
+
+    def _request(self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception) -> None:
+        callee = self.callee
+        agent = callee.agent
+        timeout = header.timeout_seconds
         if callee.early or metrics.current is not None or isinstance(buffers, Exception):
             agent.on_loop(lambda: callee.on_request(session, header, buffers), sends=False)
             return
@@ -566,21 +581,48 @@ class Callee:
         if header.caller_rank != session.caller_rank:
             session.identify(header.caller_rank)
         try:
-            if isinstance(buffers, Exception):
-                raise buffers
-            func, args, kwargs, *_ = self.agent.decode(header.payload, buffers)
-            if not is_inline(func):
-                raise RpcError(f"a notice may only run one of rpcdist's own handlers, not {header.function}")
+            func, args, kwargs = self._notice_call(header, buffers)
             func(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - its sender does not wait for an answer
-            log.warning(
-                "%s: notice %s from %s failed: %s: %s",
-                self.agent.info.name,
-                header.function,
-                session.peer_name,
-                type(exc).__name__,
-                exc,
-            )
+            self._notice_failed(session, header, exc)
+
+    def on_notice_here(
+        self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception
+    ) -> None:
+        """:meth:`_on_notice` on a reply channel's thread: a handler that may run on any thread
+        runs here, any other on the loop."""
+        try:
+            func, args, kwargs = self._notice_call(header, buffers)
+            if not runs_anywhere(func):
+                self.agent.on_loop(lambda: self._run_notice(session, header, func, args, kwargs), sends=False)
+                return
+            func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - its sender does not wait for an answer
+            self._notice_failed(session, header, exc)
+
+    def _run_notice(self, session: InboundSession, header: Any, func: Any, args: Any, kwargs: Any) -> None:
+        try:
+            func(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - its sender does not wait for an answer
+            self._notice_failed(session, header, exc)
+
+    def _notice_call(self, header: Any, buffers: list[memoryview] | Exception) -> tuple[Any, Any, Any]:
+        if isinstance(buffers, Exception):
+            raise buffers
+        func, args, kwargs, *_ = self.agent.decode(header.payload, buffers)
+        if not is_inline(func):
+            raise RpcError(f"a notice may only run one of rpcdist's own handlers, not {header.function}")
+        return func, args, kwargs
+
+    def _notice_failed(self, session: InboundSession, header: Any, exc: Exception) -> None:
+        log.warning(
+            "%s: notice %s from %s failed: %s: %s",
+            self.agent.info.name,
+            header.function,
+            session.peer_name,
+            type(exc).__name__,
+            exc,
+        )
 
     def _run_inline(
         self,

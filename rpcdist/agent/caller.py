@@ -225,12 +225,12 @@ class Caller(LinkHandler):
         if pulled and not getattr(call.undo, "ordered", False):  # (see decoded_in_order)
             channel = agent.transport.take_reply_channel(rank, agent.info.id)
         link_envelopes = None  # (sent on the channel: what the link carried before)
+        carried = len(call.payload) + sum(len(b) for b in call.buffers)
         if (
             plain
             and channel is not None
             and channel.takes_requests
-            and rank not in self._deferred  # (those go ahead of it, on the link)
-            and len(call.payload) + sum(len(b) for b in call.buffers) <= CHANNEL_REQUEST_MAX_BYTES
+            and carried <= min(CHANNEL_REQUEST_MAX_BYTES, agent.options.chunk_bytes)  # (one envelope)
         ):
             link_envelopes = link.writer.quiet_envelopes()
         call.call_id = call_id = next(self._call_ids)
@@ -254,11 +254,12 @@ class Caller(LinkHandler):
                 self._sweeping = True
             if channel is not None:
                 call.channel = channel  # (before the answer can come: the loop may see it)
-            deferred = None if link_envelopes is not None else self._deferred.pop(rank, None)
+            deferred = self._deferred.pop(rank, None)  # (ahead of it, in the same write)
+        both = deferred + entries if deferred else entries
         if link_envelopes is not None:
-            written = self._send_on_channel(channel, entries, call)  # type: ignore[arg-type]
-        else:  # (the deferred notices go ahead of it, in the same write)
-            written = link.writer.write_now(deferred + entries if deferred else entries)
+            written = self._send_on_channel(channel, both, call)  # type: ignore[arg-type]
+        else:
+            written = link.writer.write_now(both)
         if not written:
             with self._lock:
                 del self.pending[call_id]

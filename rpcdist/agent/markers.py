@@ -19,6 +19,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 ASYNC_EXECUTION_ATTR = "_rpcdist_async_execution"
 TORCH_ASYNC_EXECUTION_ATTR = "_wrapped_async_rpc_function"  # torch's own marker
 INLINE_ATTR = "_rpcdist_inline"
+ANYWHERE_ATTR = "_rpcdist_anywhere"
 
 
 def is_async_execution(fn: Any) -> bool:
@@ -46,6 +47,18 @@ def inline(func: F) -> F:
     the message arrives (no task, no thread). Only for short functions that never block."""
     setattr(func, INLINE_ATTR, True)
     return func
+
+
+def anywhere(func: F) -> F:
+    """Internal: mark an :func:`inline` handler that is safe on any thread (it locks what it
+    touches), so a callee may run it on the thread that read it (a reply channel's)."""
+    setattr(func, ANYWHERE_ATTR, True)
+    return func
+
+
+def runs_anywhere(fn: Any) -> bool:
+    """Whether ``fn`` is an inline handler marked :func:`anywhere`."""
+    return bool(getattr(fn, ANYWHERE_ATTR, False))
 
 
 class RunAsCall(NamedTuple):

@@ -17,7 +17,7 @@ import torch
 
 from rpcdist._runtime import current_loop, run_on
 from rpcdist.agent import Agent, current_agent
-from rpcdist.agent.markers import inline
+from rpcdist.agent.markers import anywhere, inline
 from rpcdist.autograd import _contexts
 from rpcdist.autograd.engine import local_pass, local_pass_here
 from rpcdist.errors import BlockingCallError, RpcError
@@ -92,6 +92,7 @@ def _tell_to_release(agent: Agent, context_id: int, workers: set[int], told: tup
 
 
 @trust
+@anywhere
 @inline
 def _release(context_id: int, told: tuple[int, ...] = ()) -> None:
     """On a worker that took part: forget the context, and tell the workers it involved that
