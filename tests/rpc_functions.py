@@ -556,6 +556,11 @@ def loop_state() -> tuple[bool, str, tuple[int, int]]:
     return _loop_blocked.is_set(), threading.current_thread().name, (pool._running, len(pool._jobs))
 
 
+def pool_limit() -> int:
+    """How many user functions this worker's pool runs at once."""
+    return rpc_api.current_agent().pool._limit
+
+
 def notices_seen_by() -> tuple[list[Any], str]:
     """The notices :func:`take_notice` got so far, and the thread that runs this call."""
     return [value for value, _ in _notices], threading.current_thread().name

@@ -1632,6 +1632,24 @@ def _reply_channel_checks() -> None:  # noqa: C901 - a list of independent check
         c.value = on_channel
         assert on_channel >= 1, "no request went on the channel"
 
+    with check("channel/busy_callee_gets_requests_on_the_link") as c:
+        # A callee whose pool is full says so on the channel: the caller's next requests go on
+        # its link (the loop and the pool serve a loaded worker better) for a while, then on
+        # the channel again.
+        limit = rpc.rpc_sync("w1", rf.pool_limit, timeout=CALL_TIMEOUT)
+        sleepers = [rpc.rpc_async("w1", rf.sleep_blocking, (1.5,)) for _ in range(limit)]
+        time.sleep(0.3)  # (all running)
+        _, thread, _ = rpc.rpc_sync("w1", rf.loop_state, timeout=CALL_TIMEOUT)
+        assert "-channel-" not in thread, thread  # queued on the pool, answered from there
+        idle = agent.transport._my_channels._idle.get(1, [])
+        assert any(channel.busy_until > time.monotonic() for channel in idle), "the caller was not told"
+        for sleeper in sleepers:
+            sleeper.wait()
+        time.sleep(0.2)  # (the busy spell is over)
+        _, thread, _ = rpc.rpc_sync("w1", rf.loop_state, timeout=CALL_TIMEOUT)
+        c.value = thread
+        assert "-channel-" in thread, thread
+
     with check("channel/remote_error") as c:
         # An error raised by the callee comes back on the channel with its type and traceback.
         with raises(ValueError, match="bad value") as r:

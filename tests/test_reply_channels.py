@@ -51,5 +51,9 @@ def test_a_request_on_the_channel_runs_after_what_its_caller_sent_on_the_link(ru
     run.check("channel/requests_keep_their_order_behind_the_link")
 
 
+def test_a_busy_callee_gets_requests_on_the_link_for_a_while(run: GroupRun) -> None:
+    run.check("channel/busy_callee_gets_requests_on_the_link")
+
+
 def test_a_remote_error_keeps_its_type_and_traceback(run: GroupRun) -> None:
     run.check("channel/remote_error")

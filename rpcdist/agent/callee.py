@@ -234,6 +234,11 @@ class ChannelCalls:
             run_in.run(agent.extension.enter, state[0])
         pool = agent.pool
         if not pool.enter():  # as many calls run as the pool allows: queued there
+            # and the caller is told to send its next requests on its link for a while (see
+            # caller.BUSY_CALLEE_SECONDS): under load, the loop and the pool serve them better.
+            busy = [frames.encode_control(0, frames.REPLY_CHANNEL)]
+            if not self.writer.write_now(busy):
+                agent.on_loop(lambda: self.writer.send(iter(busy)), sends=False)
             callee._queue_blocking(answering, call_id, function, func, args, kwargs, run_in, timeout)  # type: ignore[arg-type]
             return
         try:

@@ -59,6 +59,10 @@ SWEEP_LINGER_SECONDS = 2.0
 NOTICE_MAX_BUFFER_BYTES = 1 << 20
 DIRECT_MIN_TIMEOUT = 1.0
 CHANNEL_REQUEST_MAX_BYTES = DIRECT_MAX_BYTES - 4096  # (its arguments; the frame adds a header)
+# A callee that says it is busy gets this worker's requests on the link for this long: its loop
+# reads many per wake-up and its pool threads take them one after another, where requests on
+# channels would each wake a thread of their own, all contending for the interpreter.
+BUSY_CALLEE_SECONDS = 0.1
 
 
 class QueuedNotice:
@@ -230,6 +234,7 @@ class Caller(LinkHandler):
             plain
             and channel is not None
             and channel.takes_requests
+            and channel.busy_until < time.monotonic()
             and carried <= min(CHANNEL_REQUEST_MAX_BYTES, agent.options.chunk_bytes)  # (one envelope)
         ):
             link_envelopes = link.writer.quiet_envelopes()
@@ -697,10 +702,12 @@ class Caller(LinkHandler):
                     if not raw:
                         continue
                     for env in frames.decode_frame(raw):
-                        if env.kind == frames.REPLY_CHANNEL:  # answered on the link instead
-                            if env.call_id == call.call_id:
+                        if env.kind == frames.REPLY_CHANNEL:
+                            if env.call_id == call.call_id:  # answered on the link instead
                                 self._diverted(call)
                                 return
+                            if env.call_id == 0:  # the callee is busy: requests go on the link
+                                channel.busy_until = time.monotonic() + BUSY_CALLEE_SECONDS
                             continue
                         message = frames.collect(channel.assemblies, env, max_bytes, self._slots_read(call))
                         if message is not None and message[0].call_id == call.call_id:

@@ -57,6 +57,7 @@ class ReplyChannel:
         self.rank = rank
         self.id = next(_channel_ids)
         self.assemblies: dict[int, frames.Assembly] = {}  # answers still missing CHUNKs
+        self.busy_until = 0.0  # time.monotonic() until which requests go on the link (callee busy)
         self._frames = FrameSplitter()
         self._closed = False
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
