@@ -411,7 +411,7 @@ class RRef(Generic[T]):
         if self._owner.id != agent.info.id:
             fetch = agent.submit(
                 self._owner,
-                _fetch,
+                _fetch_owned if waited else _fetch,  # (a thread waits for it: see _fetch_owned)
                 (self._id,),
                 None,
                 timeout,
@@ -639,6 +639,48 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
 def _fetch(rref_id: RRefId) -> Any:
     """On the owner: the value of ``rref_id`` once it exists."""
     return _when_owned(rref_id, lambda value: value)
+
+
+@trust
+def _fetch_owned(rref_id: RRefId) -> Future[Any]:
+    """:func:`_fetch` run as a plain call, for a thread that waits for the value next: on the
+    thread that runs it (a reply channel's, co-located), a value that exists is answered at
+    once, without the owner's loop; one still being made is answered once it is, from the
+    loop. ``async_execution``: the callee answers with the Future's outcome."""
+    done: Future[Any] = Future()
+    entry = _context().owned.get(rref_id)
+    if entry is not None and entry.value.done():
+        try:
+            done.set_result(_value_or_copy_of_error(entry.value))
+        except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
+            done.set_exception(exc)
+        return done
+
+    def watch() -> None:  # on the loop
+        try:
+            value = _fetch(rref_id)
+        except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
+            done.set_exception(exc)
+            return
+        if isinstance(value, asyncio.Future):
+            value.add_done_callback(lambda v: _settle_from(done, v))
+        else:
+            done.set_result(value)
+
+    _agent().on_loop(watch, sends=False)
+    return done
+
+
+setattr(_fetch_owned, ASYNC_EXECUTION_ATTR, True)  # (returns a Future; see above)
+
+
+def _settle_from(done: Future[Any], source: asyncio.Future[Any]) -> None:
+    if source.cancelled():
+        done._try_complete(None, RpcError("the owner stopped waiting for the value (shut down)"))
+    elif source.exception() is not None:
+        done._try_complete(None, source.exception())
+    else:
+        done._try_complete(source.result(), None)
 
 
 @trust
