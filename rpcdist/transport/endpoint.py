@@ -229,6 +229,9 @@ class Transport(LinkHandler):
             except (OSError, frames.FrameError) as exc:
                 if not self._closed:
                     log.info("%s: closing a reply channel of rank %s: %s", self.name, caller_rank, exc)
+            except Exception:  # a bug must cost one channel (its caller sees it close), not more
+                if not self._closed:
+                    log.exception("%s: a reply channel of rank %s failed", self.name, caller_rank)
             finally:
                 self._channel_readers.discard(taken.sock)
                 taken.sock.close()
