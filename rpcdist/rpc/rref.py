@@ -409,9 +409,12 @@ class RRef(Generic[T]):
             failed.set_exception(created.exception())  # type: ignore[arg-type]
             return failed
         if self._owner.id != agent.info.id:
+            # A thread that waits for a value its owner has confirmed (it exists, or did) asks
+            # for it as a plain call (see _fetch_owned); one still being made is waited for by
+            # the owner's loop, which has the creation in hand.
             fetch = agent.submit(
                 self._owner,
-                _fetch_owned if waited else _fetch,  # (a thread waits for it: see _fetch_owned)
+                _fetch_owned if waited and created is None else _fetch,
                 (self._id,),
                 None,
                 timeout,
