@@ -567,13 +567,20 @@ class _Proxy:
             if mode == "remote":
                 _check_attribute(agent, rref, method, timeout)
                 return create_remote(agent, rref.owner(), _call_method, call_args, None, timeout)
-            if mode == "sync":  # this thread holds the RRef until the answer: the owner's value stays
+            if mode == "sync" and rref._confirmed is None:
+                # This thread holds the RRef until the answer, so the owner's value stays, and
+                # the owner confirmed it (it exists): see _call_owned. A value still being made
+                # is waited for by the owner's loop (_call_method), which has the creation in hand.
                 owned_args = (rref._id, method, args, kwargs)
                 owned = agent.submit(
                     rref.owner(), _call_owned, owned_args, None, timeout, waited=True, pulled=True
                 )
                 return owned.wait()
-            return agent.submit(rref.owner(), _call_method, call_args, None, timeout)
+            sync = mode == "sync"
+            future = agent.submit(
+                rref.owner(), _call_method, call_args, None, timeout, waited=sync, pulled=sync
+            )
+            return future.wait() if sync else future
 
         call.__name__ = method
         return call

@@ -127,12 +127,15 @@ def frame_bytes(pieces: list[bytes | memoryview]) -> list[bytes | memoryview]:
 
 
 def send_frames(sock: socket.socket, frames: list[list[bytes | memoryview]], deadline: float | None) -> None:
-    """Write frames (each given as its pieces) on a socket whose writes may block, by
-    ``deadline`` (``time.monotonic()``; None: no limit). Raises TimeoutError or OSError."""
+    """Write frames (each given as its pieces) on a blocking socket of the caller's own (not one
+    the loop shares), by ``deadline`` (``time.monotonic()``; None: no limit). Raises
+    TimeoutError or OSError."""
     data = b"".join([piece for pieces in frames for piece in frame_bytes(pieces)])
     view = memoryview(data)
     while view:
-        if deadline is not None:
+        if deadline is None:
+            sock.settimeout(None)  # (not a timeout left from the socket's last read)
+        else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("the peer did not take the frame in time")
