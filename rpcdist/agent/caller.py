@@ -229,13 +229,13 @@ class Caller(LinkHandler):
         if pulled and not getattr(call.undo, "ordered", False):  # (see decoded_in_order)
             channel = agent.transport.take_reply_channel(rank, agent.info.id)
         link_envelopes = None  # (sent on the channel: what the link carried before)
-        carried = len(call.payload) + sum(len(b) for b in call.buffers)
         if (
             plain
             and channel is not None
             and channel.takes_requests
             and channel.busy_until < time.monotonic()
-            and carried <= min(CHANNEL_REQUEST_MAX_BYTES, agent.options.chunk_bytes)  # (one envelope)
+            and len(call.payload) + sum(len(b) for b in call.buffers)
+            <= min(CHANNEL_REQUEST_MAX_BYTES, agent.options.chunk_bytes)  # (one envelope)
         ):
             link_envelopes = link.writer.quiet_envelopes()
         call.call_id = call_id = next(self._call_ids)

@@ -118,20 +118,11 @@ class TakenReading(NamedTuple):
     close: Callable[[], None]
 
 
-def frame_bytes(pieces: list[bytes | memoryview]) -> list[bytes | memoryview]:
-    """One frame's bytes on the wire: its length, then its pieces."""
-    size = 0
-    for piece in pieces:
-        size += len(piece)
-    return [LENGTH.pack(size), *pieces]
-
-
-def send_frames(sock: socket.socket, frames: list[list[bytes | memoryview]], deadline: float | None) -> None:
-    """Write frames (each given as its pieces) on a blocking socket of the caller's own (not one
+def send_frame(sock: socket.socket, pieces: list[bytes | memoryview], deadline: float | None) -> None:
+    """Write one frame (given as its pieces) on a blocking socket of the caller's own (not one
     the loop shares), by ``deadline`` (``time.monotonic()``; None: no limit). Raises
     TimeoutError or OSError."""
-    data = b"".join([piece for pieces in frames for piece in frame_bytes(pieces)])
-    view = memoryview(data)
+    view = memoryview(b"".join([LENGTH.pack(sum(len(piece) for piece in pieces)), *pieces]))
     while view:
         if deadline is None:
             sock.settimeout(None)  # (not a timeout left from the socket's last read)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from rpcdist.security import ACCEPTED, REFUSED, VERDICT_BYTES, Security
 from rpcdist.transport import frames
 from rpcdist.transport.frames import FrameError
-from rpcdist.transport.framing import FrameSplitter, send_frames
+from rpcdist.transport.framing import FrameSplitter, send_frame
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ReplyChannel:
     def send(self, entries: list[list[bytes | memoryview]], deadline: float | None) -> None:
         """Write one frame of these envelope entries (a request: see
         ``Envelope.link_envelopes``); raises OSError (TimeoutError past ``deadline``)."""
-        send_frames(self._sock, [[piece for entry in entries for piece in entry]], deadline)
+        send_frame(self._sock, [piece for entry in entries for piece in entry], deadline)
 
     def read_frame(self, deadline: float | None) -> bytes | memoryview | None:
         """The next frame (blocking); None once ``deadline`` (``time.monotonic()``) passes
