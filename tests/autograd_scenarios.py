@@ -248,6 +248,43 @@ def _chain() -> None:
             ]
         assert_all_close(expected, got, "w0 a, w1 b, w1 head, w2 c")
 
+    with check("chain/micro_batches_one_backward_call_per_worker"):
+        # A pipeline's shape: 4 micro-batches go through w1 (and on to w2) concurrently; the
+        # loss depends on all 4 answers. w0's pass sends the 4 gradients to w1 in one call
+        # (one local pass there over all 4, which calls w2 once and hands w0's part back), so
+        # w0 makes one backward call per backward, whatever the number of micro-batches.
+        a, refs = _chain_models("micro")
+        x = af.data(8, 4, 5)
+        ref_loss = loss_fn(_chain_reference(refs, x))
+        expected = reference_grads(ref_loss, [p for m in refs for p in m.parameters()])
+        metrics.enable(0, "127.0.0.1")
+        try:
+            calls = metrics.current.calls
+            for _ in range(3):
+                with dist_autograd.context() as cid:
+                    futures = [
+                        rpc.rpc_async(
+                            "w1",
+                            af.chain_mid,
+                            (a(mb), "micro/b", "micro/head", "w2", "micro/c"),
+                            timeout=CALL_TIMEOUT,
+                        )
+                        for mb in x.split(2)
+                    ]
+                    loss = loss_fn(torch.cat([f.wait() for f in futures]))
+                    dist_autograd.backward(cid, [loss])
+                    got = [
+                        *local_grads(cid, params(a)),
+                        *remote_grads("w1", "micro/b", cid),
+                        *remote_grads("w1", "micro/head", cid),
+                        *remote_grads("w2", "micro/c", cid),
+                    ]
+                assert_all_close(expected, got, "w0 a, w1 b, w1 head, w2 c (4 micro-batches)")
+            made = calls.get((BACKWARD_CALL, "w1"))
+            assert made is not None and made.started == 3 and made.finished == 3, vars_of(made)
+        finally:
+            metrics.release()
+
 
 # ---------------------------------------------------------------------------- 4. RRefs
 def _rrefs() -> None:

@@ -58,6 +58,10 @@ def test_three_stage_chain_with_nested_rpc(main: GroupRun) -> None:
     main.check("chain/gradients")
 
 
+def test_micro_batches_make_one_backward_call_per_worker(main: GroupRun) -> None:
+    main.check("chain/micro_batches_one_backward_call_per_worker")
+
+
 # ============================================================================ 3. parameter server
 @pytest.mark.parametrize("trainer", [1, 2])
 def test_parameter_server_gradients_per_context(main: GroupRun, trainer: int) -> None:

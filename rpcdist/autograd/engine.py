@@ -14,6 +14,11 @@ came from the driver that runs the backward, a chain's last hop) does not call t
 hands the gradients back in its answer, and the caller runs them as its own pass. The same
 work, two messages instead of four (a call back, its answer, then this pass's answer), and the
 pass keeps its caller's failure detection (it is an ordinary call with an ordinary answer).
+
+A pass sends the gradients of everything it received from one worker in one call (a
+pipeline's micro-batches each came back from the last stage: one call carries them all), and
+that worker runs one local pass over all of them, so a backward costs messages and engine runs
+per worker it crosses, not per tensor that crossed.
 """
 
 from __future__ import annotations
@@ -217,12 +222,14 @@ def _joined(handed: Sequence[HandedBack | None]) -> HandedBack:
 
 
 def _handed_gradients(context: _contexts.DistAutogradContext, handed: HandedBack) -> list[LeafGradient]:
-    """The local pass from the sends whose gradients a peer handed back (one pass for all)."""
+    """The local pass from the sends whose gradients a peer handed back, or passed back in one
+    call (one pass for all)."""
     tensors = []
     for send_id, _ in handed:
         tensor = context.sends.get(send_id)
         if tensor is None:
-            raise RpcError(f"context {context.id} has no send {send_id}")
+            where = current_agent().info.name
+            raise RpcError(f"context {context.id} on worker {where} has no send {send_id}")
         tensors.append(tensor)
     return _local_gradients(tensors, [grad for _, grad in handed])
 
@@ -243,22 +250,27 @@ def _outgoing(context: _contexts.DistAutogradContext, pairs: list[LeafGradient])
 def _start(
     agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoing, pulled: bool = False
 ) -> list[Any]:
-    """Start the passes of ``outgoing`` on their senders; returns their futures (each one's
-    value: what that pass hands back to this worker, or None). ``pulled``: this thread waits
-    for them next with ``wait_all`` (see ``Caller.submit``)."""
+    """Start the passes of ``outgoing`` on their senders, one call per sender carrying all its
+    gradients (a pipeline's micro-batches: one message and one local pass on the stage, not
+    one per micro-batch); returns their futures (each one's value: what that pass hands back
+    to this worker, or None). ``pulled``: this thread waits for them next with ``wait_all``
+    (see ``Caller.submit``)."""
     me = agent.info.id
+    by_sender: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for src, send_id, grad in outgoing:
+        by_sender.setdefault(src, []).append((send_id, grad))
     return [
         agent.submit(
             src,
             backward_from_send,
-            (context.id, send_id, grad, me),
+            (context.id, gradients, me),
             None,
             0,
             function_name="rpcdist.autograd.backward",
             waited=True,  # (this thread waits for them, or hands them to the loop)
             pulled=pulled,
         )
-        for src, send_id, grad in outgoing
+        for src, gradients in by_sender.items()
     ]
 
 
@@ -275,14 +287,14 @@ async def _awaitable(future: Any) -> Any:
 
 
 @trust
-def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor, caller: int) -> Any:
-    """On the worker that sent a tensor (a pool thread): continue the backward pass from it.
-    The local graph runs right on this thread (no hop back to the loop between the message and
-    the work); the call completes once the passes it started elsewhere did, through the
-    Future it returns (``async_execution``), never a wait on this thread: a pool thread blocked
-    in that wait could be the one a nested pass coming back here needs, and many concurrent
-    backward passes (torch's test_async_dist_autograd: 40 threads) would hold every pool
-    thread so, a deadlock.
+def backward_from_send(context_id: int, gradients: HandedBack, caller: int) -> Any:
+    """On the worker that sent tensors (a pool thread): continue the backward pass from them,
+    given (send id, gradient) for each. The local graph runs right on this thread, once for
+    all of them (no hop back to the loop between the message and the work); the call completes
+    once the passes it started elsewhere did, through the Future it returns
+    (``async_execution``), never a wait on this thread: a pool thread blocked in that wait could
+    be the one a nested pass coming back here needs, and many concurrent backward passes
+    (torch's test_async_dist_autograd: 40 threads) would hold every pool thread so, a deadlock.
 
     When every gradient it passes on goes to ``caller`` (the worker that called this pass),
     they are handed back in the answer instead (see the module's docstring)."""
@@ -292,11 +304,8 @@ def backward_from_send(context_id: int, send_id: int, grad: torch.Tensor, caller
         raise RpcError(
             f"distributed autograd context {context_id} does not exist on worker {agent.info.name}"
         )
-    tensor = context.sends.get(send_id)
-    if tensor is None:
-        raise RpcError(f"context {context_id} on worker {agent.info.name} has no send {send_id}")
     done: Future[HandedBack | None] = Future()
-    outgoing = _outgoing(context, _local_gradients([tensor], [grad]))
+    outgoing = _outgoing(context, _handed_gradients(context, gradients))
     if not outgoing:  # a leaf of the distributed graph: answered at once, from this thread
         done.set_result(None)
         return done
