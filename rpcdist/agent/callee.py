@@ -25,11 +25,11 @@ from rpcdist import metrics
 from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
 from rpcdist.agent.markers import (
-    TORCH_ASYNC_EXECUTION_ATTR,
     RunAsCall,
     is_async_execution,
     is_inline,
     runs_anywhere,
+    runs_as_coroutine,
     runs_on_thread,
 )
 from rpcdist.agent.threads import EmptyWaiter, settle
@@ -466,9 +466,7 @@ class Callee:
         agent = self.agent
         if is_inline(func):  # rpcdist's own short, non-blocking handlers
             self._run_inline(session, call_id, function, func, args, kwargs, run_in, timeout)
-        elif inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-            getattr(func, TORCH_ASYNC_EXECUTION_ATTR, None)
-        ):
+        elif runs_as_coroutine(func):
             task = agent.loop.create_task(
                 self._run_async(session, call_id, function, func, args, kwargs), context=run_in
             )
