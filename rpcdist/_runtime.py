@@ -64,6 +64,11 @@ def match_torch_threads() -> None:
 pool_thread_of = threading.local()
 """``.pool``: on a worker-pool thread, its pool (see ``rpcdist.agent.threads.WorkerPool``)."""
 
+channel_thread = threading.local()
+"""``.serving``: True on the thread that reads a reply channel's requests and runs them (see
+``rpcdist.transport.reply_channel``). It is no pool thread, and the caller on the other end
+waits for its answer: a call it runs may wait right there for calls of its own."""
+
 
 class blocking_wait:
     """``with blocking_wait():`` around a wait for something rpcdist completes (a Future):

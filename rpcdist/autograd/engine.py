@@ -37,6 +37,7 @@ try:  # torch's own entry into its engine, under autograd.grad's handling of its
 except ImportError:  # (a torch without it)
     _engine_run_backward = None
 
+from rpcdist._runtime import channel_thread
 from rpcdist.agent import current_agent
 from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR
 from rpcdist.autograd import _contexts
@@ -312,11 +313,33 @@ def backward_from_send(context_id: int, gradients: HandedBack, caller: int) -> A
     if all(src == caller for src, _, _ in outgoing):
         done.set_result([(sid, g) for _, sid, g in outgoing])  # answered at once, as above
         return done
+    if getattr(channel_thread, "serving", False):
+        # A reply channel's thread (no pool thread, and its caller waits for this answer):
+        # it waits for the passes it starts right here, their calls and answers on channels
+        # of its own, and answers from here; no hop to the loop and the pool on either side.
+        try:
+            _passes_here(agent, context, outgoing)
+        except BaseException as exc:  # noqa: BLE001 - the pass's error, for the caller
+            done.set_exception(exc)
+            return done
+        done.set_result(None)
+        return done
     _Passes(agent, context, done).start(outgoing)
     return done
 
 
 setattr(backward_from_send, ASYNC_EXECUTION_ATTR, True)  # (returns an awaitable; see above)
+
+
+def _passes_here(agent: Any, context: _contexts.DistAutogradContext, outgoing: Outgoing) -> None:
+    """Start the passes of ``outgoing`` and wait for them on this thread, running what they
+    hand back (and waiting for the passes that starts) until all are done; raises the first
+    failure. Only on a thread that may block (see ``backward_from_send``)."""
+    while outgoing:
+        with _contexts.entered(None):  # the passes it starts are not calls made in the context
+            passes = _start(agent, context, outgoing, pulled=True)
+        handed = wait_all(passes)
+        outgoing = _outgoing(context, _handed_gradients(context, _joined(handed))) if any(handed) else []
 
 
 class _Passes:

@@ -31,7 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from rpcdist import metrics
-from rpcdist._runtime import match_torch_threads
+from rpcdist._runtime import channel_thread, match_torch_threads
 from rpcdist.security import Security, server_interceptors
 from rpcdist.transport import frames, shm
 from rpcdist.transport.api import (
@@ -224,6 +224,7 @@ class Transport(LinkHandler):
 
         def serve() -> None:
             match_torch_threads()  # (the session runs user functions on this thread)
+            channel_thread.serving = True
             try:
                 serve_requests(taken.sock, taken.frames, session.on_frame)
             except (OSError, frames.FrameError) as exc:
