@@ -293,9 +293,10 @@ def backward_from_send(context_id: int, gradients: HandedBack, caller: int) -> A
     given (send id, gradient) for each. The local graph runs right on this thread, once for
     all of them (no hop back to the loop between the message and the work); the call completes
     once the passes it started elsewhere did, through the Future it returns
-    (``async_execution``), never a wait on this thread: a pool thread blocked in that wait could
-    be the one a nested pass coming back here needs, and many concurrent backward passes
-    (torch's test_async_dist_autograd: 40 threads) would hold every pool thread so, a deadlock.
+    (``async_execution``), never a wait on a pool thread: one blocked in that wait could be the
+    one a nested pass coming back here needs, and many concurrent backward passes (torch's
+    test_async_dist_autograd: 40 threads) would hold every pool thread so, a deadlock. A reply
+    channel's thread is no pool thread: there the passes are waited for in place.
 
     When every gradient it passes on goes to ``caller`` (the worker that called this pass),
     they are handed back in the answer instead (see the module's docstring)."""
