@@ -658,39 +658,29 @@ def _fetch_owned(rref_id: RRefId) -> Future[Any]:
     once, without the owner's loop; one still being made is answered once it is, from the
     loop. ``async_execution``: the callee answers with the Future's outcome."""
     done: Future[Any] = Future()
+
+    def settle(value: asyncio.Future[Any]) -> None:
+        try:
+            done._try_complete(_value_or_copy_of_error(value), None)
+        except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
+            done._try_complete(None, exc)
+
+    def watch() -> None:  # on the loop (which makes the owner's entries)
+        value = _context().entry(rref_id).value
+        if value.done():
+            settle(value)
+        else:
+            value.add_done_callback(settle)
+
     entry = _context().owned.get(rref_id)
     if entry is not None and entry.value.done():
-        try:
-            done.set_result(_value_or_copy_of_error(entry.value))
-        except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
-            done.set_exception(exc)
-        return done
-
-    def watch() -> None:  # on the loop
-        try:
-            value = _fetch(rref_id)
-        except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
-            done.set_exception(exc)
-            return
-        if isinstance(value, asyncio.Future):
-            value.add_done_callback(lambda v: _settle_from(done, v))
-        else:
-            done.set_result(value)
-
-    _agent().on_loop(watch, sends=False)
+        settle(entry.value)
+    else:
+        _agent().on_loop(watch, sends=False)
     return done
 
 
 setattr(_fetch_owned, ASYNC_EXECUTION_ATTR, True)  # (returns a Future; see above)
-
-
-def _settle_from(done: Future[Any], source: asyncio.Future[Any]) -> None:
-    if source.cancelled():
-        done._try_complete(None, RpcError("the owner stopped waiting for the value (shut down)"))
-    elif source.exception() is not None:
-        done._try_complete(None, source.exception())
-    else:
-        done._try_complete(source.result(), None)
 
 
 @trust
