@@ -264,13 +264,7 @@ def loads(
     if not restricted:
         return pickle.loads(payload, buffers=buffers)
     stream = io.BytesIO(payload)
-    try:
-        # Walk the opcodes first: C pickle allocates the size a (BYTEARRAY8, BINBYTES8...)
-        # opcode declares before it finds the message shorter, so 20 bytes could claim gigabytes.
-        for _ in pickletools.genops(stream):
-            pass
-    except Exception as exc:  # noqa: BLE001 - any malformation: one clear type
-        raise RestrictedError(f"restricted mode refused a malformed message: {exc}") from exc
+    _check_declared_sizes(stream)
     stream.seek(0)
     try:
         return _RestrictedUnpickler(stream, buffers, allowed or {}).load()
@@ -284,6 +278,34 @@ def loads(
 
 
 # ---------------------------------------------------------------------------- restricted mode
+_MEMO_PUTS = frozenset("pqr")  # PUT, BINPUT, LONG_BINPUT: they name the memo slot to fill
+
+
+def _check_declared_sizes(stream: io.BytesIO) -> None:
+    """Walk the opcodes before C pickle runs them: it allocates what an opcode declares before
+    it can tell the message is shorter (BYTEARRAY8, BINBYTES8: 20 bytes could claim gigabytes),
+    and a memo put grows the memo table to twice the slot it names, zeroed (an 8-byte message
+    naming slot 10**9 costs 16 GB). A pickler fills slots in order, so a put may name a filled
+    slot or the next free one, nothing beyond."""
+    memo_size = 0
+    try:
+        for opcode, arg, position in pickletools.genops(stream):
+            code = opcode.code
+            if code == "\x94":  # MEMOIZE: the next free slot
+                memo_size += 1
+            elif code in _MEMO_PUTS:
+                if arg > memo_size:
+                    raise RestrictedError(
+                        f"restricted mode refused a message whose memo put at byte {position} names "
+                        f"slot {arg} with {memo_size} filled (a pickler fills slots in order)"
+                    )
+                memo_size = max(memo_size, arg + 1)
+    except RestrictedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any malformation: one clear type
+        raise RestrictedError(f"restricted mode refused a malformed message: {exc}") from exc
+
+
 # "module:qualname" -> object, as pickle names globals (``whichmodule`` / ``__qualname__``).
 _trusted: dict[str, Any] = {}
 _trusted_ids: dict[int, Any] = {}  # id -> object: what a restricted ``getattr`` may return

@@ -398,3 +398,34 @@ def test_declared_huge_length_is_refused_without_allocating(opcode: bytes) -> No
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, f"{peak} bytes allocated for a {len(raw)}-byte message"
+
+
+@pytest.mark.parametrize(
+    "put",
+    [b"r" + (10**7).to_bytes(4, "little"), b"p10000000\n", b"q\x05"],
+    ids=["LONG_BINPUT", "PUT", "BINPUT"],
+)
+def test_memo_put_beyond_the_filled_slots_is_refused_without_allocating(put: bytes) -> None:
+    """Found by the fuzzer (a CI run OOM-killed at 24 GB): C pickle grows its memo table to
+    twice the slot a put names, zeroed, so 8 bytes naming slot 10**9 cost 16 GB. A pickler fills
+    slots in order; restricted mode refuses a put past the next free one before unpickling."""
+    import tracemalloc
+
+    raw = b"\x80\x04N" + put + b"."
+    tracemalloc.start()
+    try:
+        with pytest.raises(RestrictedError, match="memo put at byte 3 names slot"):
+            serialization.loads(raw, restricted=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak} bytes allocated for a {len(raw)}-byte message"
+    assert pickle.loads(raw) is None  # the same bytes are a valid pickle (that allocates) otherwise
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_pickles_that_fill_memo_slots_in_order_still_load_restricted(protocol: int) -> None:
+    shared = [1.5, "x"]
+    value = {"a": [shared, shared, "s"], "b": (shared,), "c": {"d": shared}}
+    loaded = serialization.loads(pickle.dumps(value, protocol=protocol), restricted=True)
+    assert loaded == value and loaded["a"][0] is loaded["a"][1] is loaded["b"][0] is loaded["c"]["d"]
