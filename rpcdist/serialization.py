@@ -40,6 +40,7 @@ __all__ = [
     "loads",
     "check_importable",
     "rebuild_tensor",
+    "rebuild_ndarray",
     "trust",
     "expose",
     "register_safe_class",
@@ -154,6 +155,103 @@ def rebuild_sparse_coo(
     return t
 
 
+_MAX_DTYPE_DEPTH = 8  # nested structured dtypes in a description
+
+
+def _dtype_description(dtype: np.dtype) -> Any:
+    """``dtype`` as :func:`rebuild_ndarray` takes it back: its string (``"<i8"``) for a plain
+    dtype, its fields (``dtype.descr``) for a structured one, ``(base, shape)`` for a subarray."""
+    if dtype.fields is not None:
+        return dtype.descr
+    if dtype.subdtype is not None:
+        base, shape = dtype.subdtype
+        return (_dtype_description(base), shape)
+    return dtype.str
+
+
+def _check_description(description: Any, depth: int = 0) -> None:
+    """Only what :func:`_dtype_description` makes: strings, field lists and (base, shape)."""
+    if type(description) is str:
+        return
+    if depth < _MAX_DTYPE_DEPTH and type(description) is tuple and len(description) == 2:
+        _check_description(description[0], depth + 1)
+        _check_shape(description[1])
+        return
+    if depth < _MAX_DTYPE_DEPTH and type(description) is list:
+        for field in description:
+            if type(field) is not tuple or len(field) not in (2, 3):
+                break
+            name = field[0]
+            if not (type(name) is str or (type(name) is tuple and all(type(n) is str for n in name))):
+                break
+            _check_description(field[1], depth + 1)
+            if len(field) == 3:
+                _check_shape(field[2])
+        else:
+            return
+    raise SerializationError(f"an array arrived with a malformed dtype description {description!r:.200}")
+
+
+def _check_shape(shape: Any) -> None:
+    if type(shape) is int:
+        return
+    if type(shape) is not tuple or not all(type(n) is int for n in shape):
+        raise SerializationError(f"an array arrived with a malformed shape {shape!r:.200}")
+
+
+_dtypes_by_string: dict[str, np.dtype] = {}
+
+
+def _dtype_from(description: Any) -> np.dtype:
+    """The dtype a message describes, made by numpy's constructor (which keeps its size
+    consistent with its fields and shapes: never a dtype's ``__setstate__``, which takes any
+    size it is told, so an array could claim memory it does not have). Object dtypes are
+    refused: their elements would be pointers read from the message."""
+    if type(description) is str:
+        dtype = _dtypes_by_string.get(description)
+        if dtype is not None:
+            return dtype
+    _check_description(description)
+    try:
+        dtype = np.dtype(description)
+    except Exception as exc:  # noqa: BLE001 - numpy raises TypeError, ValueError, ...
+        raise SerializationError(
+            f"an array arrived with an unknown dtype {description!r:.200}: {exc}"
+        ) from exc
+    if dtype.hasobject:
+        raise SerializationError(f"an array arrived with an object dtype {description!r:.200}")
+    if type(description) is str and len(_dtypes_by_string) < 1024:
+        _dtypes_by_string[description] = dtype
+    return dtype
+
+
+def rebuild_ndarray(buffer: Buffer, description: Any, shape: tuple[int, ...], order: str) -> np.ndarray:
+    """The numpy array a sender's :func:`dumps` described, over ``buffer`` (no copy): numpy
+    checks that the buffer holds a whole number of elements and that ``shape`` has as many."""
+    dtype = _dtype_from(description)
+    _check_shape(shape)
+    if order not in ("C", "F"):
+        raise SerializationError(f"an array arrived with an unknown order {order!r:.20}")
+    if dtype.itemsize == 0:  # no bytes per element (np.dtype("U0")): nothing to read or allocate
+        if len(memoryview(buffer)):
+            raise SerializationError("an array of zero-size elements arrived with bytes")
+        return np.empty(shape, dtype, order=order)
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
+
+
+def rebuild_numpy_scalar(description: Any, data: bytes) -> np.generic:
+    """The numpy scalar (``np.float32(1.5)``) a sender's :func:`dumps` described."""
+    dtype = _dtype_from(description)
+    if dtype.itemsize == 0 or len(data) != dtype.itemsize:
+        raise SerializationError(f"a numpy scalar of {dtype} arrived with {len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype)[0]
+
+
+def rebuild_numpy_dtype(description: Any) -> np.dtype:
+    """A numpy dtype sent as a value."""
+    return _dtype_from(description)
+
+
 class _Pickler(pickle.Pickler):
     _grad_reducer: GradReducer | None = None  # set per instance by dumps()
 
@@ -162,10 +260,28 @@ class _Pickler(pickle.Pickler):
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return self._reduce_tensor(obj)
         if cls is np.ndarray and obj.dtype.hasobject is False:
-            if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
-                obj = np.ascontiguousarray(obj)
-            return obj.__reduce_ex__(5)
+            return self._reduce_ndarray(obj)
+        if issubclass(cls, np.generic):
+            return (rebuild_numpy_scalar, (_dtype_description(obj.dtype), obj.tobytes()))
+        if issubclass(cls, np.dtype) and not obj.hasobject:
+            return (rebuild_numpy_dtype, (_dtype_description(obj),))
         return NotImplemented
+
+    def _reduce_ndarray(self, a: np.ndarray) -> Any:
+        # numpy's own reduction rebuilds the dtype with __setstate__, which a restricted
+        # receiver cannot trust (it takes any size it is told): the dtype travels as its
+        # description, the elements out of band as they are.
+        if a.flags.c_contiguous:
+            order = "C"
+        elif a.flags.f_contiguous:
+            order = "F"
+        else:
+            a, order = np.ascontiguousarray(a), "C"
+        try:
+            data = pickle.PickleBuffer(a)
+        except ValueError:  # a dtype the buffer protocol cannot name (datetime64): its bytes
+            data = pickle.PickleBuffer(a.reshape(-1, order="A").view(np.uint8) if a.itemsize else b"")
+        return (rebuild_ndarray, (data, _dtype_description(a.dtype), a.shape, order))
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
         if (
@@ -419,15 +535,6 @@ def _builtin_trusted(module: str, name: str) -> Any:
         return None
     if module == "collections" and name in ("OrderedDict", "deque", "Counter"):
         return getattr(collections, name)
-    if module in ("numpy", "numpy._core.numeric", "numpy.core.numeric", "numpy._core.multiarray",
-                  "numpy.core.multiarray"):
-        # _frombuffer wraps bytes the message carries; _reconstruct (object arrays, which
-        # would allocate any shape it is told) is left out.
-        if name in ("dtype", "_frombuffer", "scalar"):
-            return _loaded_attr(module, name)
-        return None
-    if module == "numpy.dtypes" and name.endswith("DType"):
-        return _loaded_attr(module, name)
     if module == "torch":
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype | torch.layout | torch.memory_format) or any(
@@ -519,6 +626,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 trust(rebuild_tensor)
 trust(rebuild_sparse_coo)
+trust(rebuild_ndarray)
+trust(rebuild_numpy_scalar)
+trust(rebuild_numpy_dtype)
 
 
 def _describe(obj: Any) -> str:

@@ -174,6 +174,12 @@ _values = st.recursive(
         | st.frozensets(st.integers(), max_size=4)
         | st.builds(torch.tensor, st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=8))
         | st.builds(np.array, st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8))
+        | st.builds(np.array, st.lists(st.floats(allow_nan=False), max_size=8))
+        | st.builds(np.float32, st.floats(width=32, allow_nan=False))
+        | st.builds(
+            lambda rows: np.array(rows, dtype=[("a", "<i4"), ("b", "<f8")]),
+            st.lists(st.tuples(st.integers(-(2**31), 2**31 - 1), st.floats(allow_nan=False)), max_size=4),
+        )
     ),
     max_leaves=12,
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import pickletools
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +94,117 @@ def test_a_common_tensor_names_its_dtype_as_data_not_as_a_global() -> None:
         serialization.loads(pickle.dumps(claim, protocol=5))
     with pytest.raises(RestrictedError):
         serialization.loads(pickle.dumps(claim, protocol=5), restricted=True)
+
+
+# ---------------------------------------------------------------------------- numpy
+ARRAYS = {
+    "int big-endian 2-d": lambda: np.arange(6, dtype=">i4").reshape(2, 3),
+    "float Fortran order": lambda: np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+    "strided view": lambda: np.arange(12)[::3],
+    "0-d": lambda: np.array(3.5),
+    "empty": lambda: np.zeros((0, 4)),
+    "structured with a subarray field": lambda: np.array(
+        [("x", 1.5, [1, 2])], dtype=[("n", "U3"), ("v", "<f8"), ("w", "<i2", (2,))]
+    ),
+    "unicode": lambda: np.array(["ab", "c"]),
+    "bytes": lambda: np.array([b"q"]),
+    "bool": lambda: np.array([True, False]),
+    "datetime64 (no buffer format)": lambda: np.array(["2020-01-01", "2021-02-03"], dtype="datetime64[ns]"),
+    "complex": lambda: np.array([1 + 2j]),
+    "zero-size elements": lambda: np.empty(3, "U0"),
+}
+NUMPY_VALUES = {
+    "float32 scalar": lambda: np.float32(1.5),
+    "int64 scalar": lambda: np.int64(-3),
+    "str_ scalar": lambda: np.str_("hé"),
+    "datetime64 scalar": lambda: np.datetime64("2020-01-01"),
+    "plain dtype": lambda: np.dtype(">u2"),
+    "structured dtype": lambda: np.dtype([("a", "<i8"), ("b", "<f4", (2,))]),
+    "subarray dtype": lambda: np.dtype(("<i8", (2,))),
+}
+
+
+@pytest.mark.parametrize("restricted", [False, True], ids=["open", "restricted"])
+@pytest.mark.parametrize("case", sorted(ARRAYS))
+def test_a_numpy_array_comes_back_as_it_left_writable(case: str, restricted: bool) -> None:
+    sent = ARRAYS[case]()
+    payload, buffers = serialization.dumps({"a": sent})
+    got = serialization.loads(payload, [bytearray(b) for b in buffers], restricted=restricted)["a"]
+    assert type(got) is np.ndarray and got.dtype == sent.dtype and got.shape == sent.shape
+    assert (got == sent).all()
+    assert got.flags.writeable or got.size == 0
+
+
+@pytest.mark.parametrize("restricted", [False, True], ids=["open", "restricted"])
+@pytest.mark.parametrize("case", sorted(NUMPY_VALUES))
+def test_numpy_scalars_and_dtypes_come_back_equal(case: str, restricted: bool) -> None:
+    sent = NUMPY_VALUES[case]()
+    payload, buffers = serialization.dumps([sent])
+    (got,) = serialization.loads(payload, buffers, restricted=restricted)
+    assert type(got) is type(sent) and got == sent
+
+
+def test_a_numpy_array_travels_without_a_copy_or_numpys_own_globals() -> None:
+    sent = np.arange(1024, dtype=np.float32)
+    payload, (buffer,) = serialization.dumps(sent)
+    assert np.shares_memory(np.frombuffer(buffer, dtype=np.float32), sent)
+    names = [arg for op, arg, _ in pickletools.genops(payload) if op.name in ("SHORT_BINUNICODE", "GLOBAL")]
+    assert not any("numpy" in str(name) for name in names), names
+
+
+class _Reduced:
+    """Pickles as ``func(*args)`` (a hand-made message)."""
+
+    def __init__(self, func: object, args: tuple[object, ...], state: object = None) -> None:
+        self.reduced = (func, args) if state is None else (func, args, state)
+
+    def __reduce__(self) -> object:
+        return self.reduced
+
+
+def test_restricted_mode_refuses_numpys_dtype_state_which_could_claim_memory() -> None:
+    """Found by the fuzzer (a segfault): numpy's own array pickles rebuild the dtype with
+    ``__setstate__``, which takes any subarray shape it is told, so 64 bytes could become an
+    array of 8 x 2**40 elements reaching past them. Restricted mode no longer admits numpy's
+    globals; rpcdist's own pickles describe the dtype for numpy's constructor instead."""
+    subarray_state = (3, "|", (np.dtype("<i8"), (1 << 40,)), None, None, -1, -1, 0)
+    claim = _Reduced(np.dtype, ("i8", False, True), subarray_state)
+    with pytest.raises(RestrictedError, match="refused numpy"):
+        serialization.loads(pickle.dumps(claim, protocol=5), restricted=True)
+    for protocol in (2, 5):  # numpy's own pickles of an array
+        with pytest.raises(RestrictedError, match="refused numpy"):
+            serialization.loads(pickle.dumps(np.arange(3), protocol=protocol), restricted=True)
+
+
+@pytest.mark.parametrize(
+    "description, shape, message",
+    [
+        (("<i8", (1 << 20,)), (8,), "multiple of element size"),  # a subarray bigger than the bytes
+        (("<i8", (1 << 40,)), (8,), "does not fit"),
+        ("O", (8,), "object dtype"),  # pointers read from the message
+        ([("a", "O")], (8,), "object dtype"),
+        ({"names": ["a"], "formats": ["<i8"], "offsets": [1 << 40]}, (1,), "malformed dtype"),
+        ("<i8", (9,), "reshape|size"),  # more elements than the bytes hold
+        ("<i8", [8], "malformed shape"),
+        ("not a dtype", (8,), "unknown dtype"),
+    ],
+    ids=[
+        "subarray-claim",
+        "subarray-overflow",
+        "object",
+        "object-field",
+        "dict-offsets",
+        "too-many-elements",
+        "list-shape",
+        "unknown",
+    ],
+)
+def test_restricted_mode_refuses_an_array_description_that_does_not_fit_its_bytes(
+    description: object, shape: object, message: str
+) -> None:
+    data_buffer = pickle.PickleBuffer(bytearray(64))
+    claim = _Reduced(serialization.rebuild_ndarray, (data_buffer, description, shape, "C"))
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(claim, protocol=5, buffer_callback=buffers.append)
+    with pytest.raises(RestrictedError, match=message):
+        serialization.loads(data, [bytearray(b.raw()) for b in buffers], restricted=True)
