@@ -7,6 +7,7 @@ worker keeps RRefs it was sent there, and another worker drops them with :func:`
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import threading
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 import rpcdist.rpc as rpc
+from rpcdist.transport import frames
 
 # RRefs (or containers of RRefs) this worker was asked to keep, by key.
 _kept: dict[str, Any] = {}
@@ -140,6 +142,38 @@ def drop(prefix: str = "") -> int:
             del _kept[k]
     gc.collect()
     return len(keys)
+
+
+def same_kept(prefix: str) -> bool:
+    """Whether every RRef kept under ``prefix`` is one object (one user RRef per value)."""
+    with _kept_lock:
+        kept = [v for k, v in _kept.items() if k.startswith(prefix)]
+    return all(v is kept[0] for v in kept)
+
+
+_notices: collections.Counter[str] | None = None
+
+
+def count_notices(start: bool) -> dict[str, int]:
+    """Start (True) or stop (False) counting the notices this worker sends, by function name
+    (``frames.encode_message`` is what every notice is encoded with); returns the counts."""
+    global _notices
+    if start:
+        counted: collections.Counter[str] = collections.Counter()
+        original = frames.encode_message
+
+        def counting(call_id: int, kind: int, *args: Any, **kwargs: Any) -> Any:
+            if kind == frames.NOTIFY:
+                counted[kwargs.get("function", "")] += 1
+            return original(call_id, kind, *args, **kwargs)
+
+        counting.original = original  # type: ignore[attr-defined]
+        frames.encode_message = counting
+        _notices = counted
+        return {}
+    frames.encode_message = getattr(frames.encode_message, "original", frames.encode_message)
+    counted, _notices = _notices or collections.Counter(), None
+    return dict(counted)
 
 
 def kept_count() -> int:

@@ -356,6 +356,31 @@ def _passing() -> None:  # noqa: C901 - a list of independent checks
         }
         assert all(v == [True, True] for v in seen.values()), seen
 
+    with check("pass/owner_forks_cost_no_message") as c:
+        # The owner counts the receiver as it pickles its RRef (torch's early fork
+        # registration): the receiver registers nothing and acknowledges nothing, whether the
+        # RRef comes in a call or in an answer, once or many times, and the count still frees
+        # the value once the receiver drops it.
+        w1_before = settled_counts("w1")
+        rpc.rpc_sync("w1", rrf.count_notices, (True,), timeout=CALL_TIMEOUT)
+        mine = rpc.RRef(rrf.make_value(3))
+        for i in range(20):
+            rpc.rpc_sync("w1", rrf.keep, (f"pass/ownerfork/{i}", mine), timeout=CALL_TIMEOUT)
+        returned = rpc.rpc_sync("w1", rrf.local_rref, (rrf.make_value(4),), timeout=CALL_TIMEOUT)
+        sent = rpc.rpc_sync("w1", rrf.count_notices, (False,), timeout=CALL_TIMEOUT)
+        c.value = sent
+        assert not {"rpcdist.rref.register", "rpcdist.rref.accepted"} & set(sent), sent
+        assert rpc.rpc_sync("w1", rrf.same_kept, ("pass/ownerfork/",), timeout=CALL_TIMEOUT)
+        assert returned.confirmed_by_owner() and plain(returned.to_here()) == value_list(4)
+        del mine, returned
+        collect()
+        wait_counts("w1", 10, owned_rrefs=w1_before["owned_rrefs"])  # our copy of w1's value went
+        kept = rpc.rpc_sync("w1", rrf.fetch_kept, ("pass/ownerfork/", CALL_TIMEOUT), timeout=CALL_TIMEOUT)
+        assert [plain(v) for v in kept] == [value_list(3)] * 20, "the owner freed a value its user holds"
+        held = settled_counts("w0")
+        rpc.rpc_sync("w1", rrf.drop, ("pass/ownerfork/",), timeout=CALL_TIMEOUT)
+        wait_counts("w0", 10, owned_rrefs=held["owned_rrefs"] - 1)  # counted 20 times, freed once
+
     with check("pass/returned_from_remote_function"):
         returned = rpc.rpc_sync("w1", rrf.local_rref, (rrf.make_value(3),), timeout=CALL_TIMEOUT)
         assert returned.owner_name() == "w1" and not returned.is_owner()

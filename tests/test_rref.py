@@ -84,6 +84,7 @@ def test_api(main: GroupRun, name: str) -> None:
         "user_to_owner_without_a_hold",
         "three_workers",
         "returned_from_remote_function",
+        "owner_forks_cost_no_message",
         "confirmed_inside_call",
         "all_dropped",
     ],

@@ -21,11 +21,12 @@ def pickle_message(
     max_bytes: int,
     tensor_reducer: TensorReducer | None = None,
     ordered_to: int | None = None,
+    receiver: int | None = None,
 ) -> tuple[bytes, list[memoryview], list[Callable[[], None]]]:
     """Pickle one message; returns it with the undo callbacks of what it carries (given
-    back at once if it cannot be pickled or is above ``max_bytes``). ``ordered_to``: see
-    :class:`CollectingUndo`."""
-    with CollectingUndo(ordered_to) as undo:
+    back at once if it cannot be pickled or is above ``max_bytes``). ``ordered_to`` and
+    ``receiver``: see :class:`CollectingUndo`."""
+    with CollectingUndo(ordered_to, receiver) as undo:
         try:
             payload, buffers = serialization.dumps(obj, grad_reducer=tensor_reducer)
             size = len(payload)

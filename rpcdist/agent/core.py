@@ -309,8 +309,9 @@ class Agent:
         """Pickle a message for ``peer`` within the size limit (see ``codec.pickle_message``).
         ``outgoing``: a call or notice on this worker's own link to ``peer`` (not an answer)."""
         reducer = self.extension.tensor_reducer(state, peer) if self.extension is not None else None
-        ordered_to = peer if outgoing and peer != self.info.id else None
-        return pickle_message(obj, what, self.options.max_payload_bytes, reducer, ordered_to)
+        receiver = peer if peer != self.info.id else None
+        ordered_to = receiver if outgoing else None
+        return pickle_message(obj, what, self.options.max_payload_bytes, reducer, ordered_to, receiver)
 
     def decode(self, payload: bytes | memoryview, buffers: Any = ()) -> Any:
         """Unpickle a message from a peer (restricted when the options say so)."""

@@ -39,6 +39,7 @@ __all__ = [
     "on_unconfirmed",
     "Holds",
     "decoded_in_order",
+    "message_receiver",
     "ordered_receiver",
     "pickling_message",
     "run_undo",
@@ -81,22 +82,29 @@ class CollectingUndo:
 
     ``ordered_to``: the rank of the receiver when the message goes out on this worker's own
     link to it (a call or a notice, not an answer), so that the receiver decodes it before
-    anything this worker sends it afterwards (see :func:`ordered_receiver`)."""
+    anything this worker sends it afterwards (see :func:`ordered_receiver`). ``receiver``:
+    the rank of the one worker the message is for (any message; see :func:`message_receiver`)."""
 
-    __slots__ = ("callbacks", "ordered_to", "_previous")
+    __slots__ = ("callbacks", "ordered_to", "receiver", "_previous")
 
-    def __init__(self, ordered_to: int | None = None) -> None:
+    def __init__(self, ordered_to: int | None = None, receiver: int | None = None) -> None:
         self.ordered_to = ordered_to
+        self.receiver = receiver
 
     def __enter__(self) -> Holds:
-        self._previous = (getattr(_undo, "callbacks", None), getattr(_undo, "ordered_to", None))
+        self._previous = (
+            getattr(_undo, "callbacks", None),
+            getattr(_undo, "ordered_to", None),
+            getattr(_undo, "receiver", None),
+        )
         self.callbacks: Holds = Holds()
         _undo.callbacks = self.callbacks
         _undo.ordered_to = self.ordered_to
+        _undo.receiver = self.receiver
         return self.callbacks
 
     def __exit__(self, *exc: object) -> None:
-        _undo.callbacks, _undo.ordered_to = self._previous
+        _undo.callbacks, _undo.ordered_to, _undo.receiver = self._previous
 
 
 def on_undelivered(callback: Callable[[], None]) -> None:
@@ -124,6 +132,12 @@ def ordered_receiver() -> int | None:
     later messages (an RRef sent to its owner: the user's deletion cannot overtake it).
     None while pickling an answer or outside a message."""
     return getattr(_undo, "ordered_to", None)
+
+
+def message_receiver() -> int | None:
+    """While pickling a message (a call, a notice or an answer) for one other worker: its
+    rank. None for a message to this worker itself, or outside a message."""
+    return getattr(_undo, "receiver", None)
 
 
 def pickling_message() -> bool:

@@ -3,19 +3,23 @@ value alive exactly as long as some RRef anywhere can reach it.
 
 The protocol (the guarantees torch documents for its RRefs, kept with fewer messages):
 
-- The **owner** keeps each value in an :class:`_OwnerEntry` with the set of ranks that hold
-  user RRefs to it and the number of RRef objects on the owner itself. The value is freed
-  when both are empty.
+- The **owner** keeps each value in an :class:`_OwnerEntry` with a count per rank that
+  holds user RRefs to it and the number of RRef objects on the owner itself. The value is
+  freed when both are empty.
 - A process holds at most one **user RRef** object per value (unpickling an RRef it already
-  holds returns that object). ``remote()`` registers its caller as a holder in the same
-  message that creates the value; a user RRef that arrives by pickle registers itself with
-  the owner (``_register``). When the object is garbage-collected, or its process shuts
-  down, it tells the owner (``_user_deleted``).
-- **Forks**: whoever pickles an RRef into a message keeps its own RRef alive (a "pending
-  child") until the owner has registered the receiver; only then may the sender's own
-  deletion reach the owner, so passing an RRef from A to B while A drops it never frees the
-  value early. Messages from one worker to another arrive in order, so a holder's
-  registration always precedes its deletion.
+  holds returns that object); the object keeps how many times the owner counted this
+  process for it, and when it is garbage-collected, or its process shuts down, it tells the
+  owner that number (``_user_deleted``), which the owner subtracts. ``remote()`` counts its
+  caller in the same message that creates the value.
+- **Forks from the owner** cost no message: the owner counts the receiver while pickling the
+  RRef (before the message can leave), so the receiver's deletion, whenever it arrives,
+  finds the count it undoes (torch's early fork registration). An owner RRef sent in a
+  message that never arrives is uncounted.
+- **Forks between users**: whoever pickles an RRef into a message keeps its own RRef alive
+  (a "pending child") until the owner has registered (counted) the receiver (``_register``);
+  only then may the sender's own deletion reach the owner, so passing an RRef from A to B
+  while A drops it never frees the value early. Messages from one worker to another arrive
+  in order, so a holder's registration always precedes its deletion.
 - A call whose arguments bring a worker a user RRef it did not hold runs only once the owner
   has registered that worker (as torch's: ``confirmed_by_owner()`` is true inside it); if the
   owner cannot confirm it within the call's timeout, the call fails with that error.
@@ -45,6 +49,7 @@ from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import (
     confirmation_gate,
     decoded_in_order,
+    message_receiver,
     on_unconfirmed,
     on_undelivered,
     ordered_receiver,
@@ -68,6 +73,7 @@ __all__ = ["RRef", "attach", "create_remote", "debug_info", "detach", "release_a
 RRefId = tuple[int, int, int]  # (owner rank, rank that created it, counter there)
 _counter = itertools.count(1)
 NO_HOLD = 0  # the fork token of an RRef sent to its owner in a call: nothing to release
+OWNER_COUNTED = -1  # the fork token of an RRef its owner sent, having counted the receiver
 _current: RRefContext | None = None
 
 
@@ -109,7 +115,9 @@ class _OwnerEntry:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.value: asyncio.Future[Any] = loop.create_future()
-        self.holders: set[int] = set()
+        # rank -> how many times it was counted and has not said so back (never 0: the key
+        # goes; below 0 while an uncounting overtook its count, which keeps the value: safe)
+        self.holders: dict[int, int] = {}
         self.local_refs = 0
 
 
@@ -121,8 +129,10 @@ class RRefContext:
         self.owned: dict[RRefId, _OwnerEntry] = {}
         self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
         self.pending_children: dict[int, RRef[Any]] = {}
-        # users/pending_children are touched from any thread; re-entrant because the garbage
-        # collector may run an RRef finalizer (which takes it) inside any locked block.
+        # users/pending_children, and the owner's entries and counts (made on the loop, and
+        # by a thread that pickles an owner RRef: see count_fork), are touched from any thread;
+        # re-entrant because the garbage collector may run an RRef finalizer (which takes it)
+        # inside any locked block.
         self._lock = threading.RLock()
         self._tokens = itertools.count(NO_HOLD + 1)
         self._closed = False
@@ -134,20 +144,48 @@ class RRefContext:
             raise RpcError("RPC agent is gone (shut down)")
         return agent
 
-    # -- owner side (on the loop) ---------------------------------------------------------------
+    # -- owner side (on the loop, but count_fork) ------------------------------------------------
     def entry(self, rref_id: RRefId) -> _OwnerEntry:
         """The owner's entry for ``rref_id``, made on first mention (creation, fetch or fork)."""
         entry = self.owned.get(rref_id)
         if entry is None:
-            entry = self.owned[rref_id] = _OwnerEntry(self.agent.loop)
+            with self._lock:
+                entry = self.owned.get(rref_id)
+                if entry is None:
+                    entry = self.owned[rref_id] = _OwnerEntry(self.agent.loop)
         return entry
 
+    def count_holder(self, rref_id: RRefId, rank: int) -> None:
+        """``rank`` holds one more user RRef to ``rref_id`` (any thread)."""
+        with self._lock:
+            holders = self.entry(rref_id).holders
+            count = holders.get(rank, 0) + 1
+            if count:
+                holders[rank] = count
+            else:
+                del holders[rank]
+
+    def uncount_holder(self, rref_id: RRefId, rank: int, count: int) -> None:
+        """``rank`` said it no longer holds ``count`` of its counted RRefs to ``rref_id``."""
+        with self._lock:
+            entry = self.owned.get(rref_id)
+            if entry is None:  # (freed at shutdown, or never made: its creation failed first)
+                return
+            left = entry.holders.get(rank, 0) - count
+            if left:
+                entry.holders[rank] = left
+            else:
+                entry.holders.pop(rank, None)
+        self.maybe_free(rref_id)
+
     def maybe_free(self, rref_id: RRefId) -> None:
-        entry = self.owned.get(rref_id)
-        if entry is not None and not entry.holders and entry.local_refs <= 0 and entry.value.done():
+        with self._lock:
+            entry = self.owned.get(rref_id)
+            if entry is None or entry.holders or entry.local_refs > 0 or not entry.value.done():
+                return
             del self.owned[rref_id]
-            if not entry.value.cancelled():
-                entry.value.exception()  # mark a failure as retrieved: nobody can fetch it now
+        if not entry.value.cancelled():
+            entry.value.exception()  # mark a failure as retrieved: nobody can fetch it now
 
     def owner_ref_gone(self, rref_id: RRefId) -> None:
         entry = self.owned.get(rref_id)
@@ -157,18 +195,22 @@ class RRefContext:
 
     # -- user side -------------------------------------------------------------------------------
     def adopt_user(self, owner: WorkerInfo, rref_id: RRefId, sender: int, token: int) -> RRef[Any]:
-        """Rebuild a pickled user RRef here; registers this worker with the owner if new."""
+        """Rebuild a pickled user RRef here; registers this worker with the owner if new (and
+        the owner did not count it when it sent the RRef)."""
         me = self.agent.info.id
+        counted = token == OWNER_COUNTED and sender == owner.id
         with self._lock:
             existing = self.users.get(rref_id)
             rref = existing() if existing is not None else None
             if rref is not None:
                 fresh = False
             else:
-                rref = RRef._make(owner, rref_id)
-                self.users[rref_id] = weakref.ref(rref)
-                weakref.finalize(rref, self._user_finalized, rref_id)
+                rref = self._new_user(owner, rref_id, 0)
                 fresh = True
+            if counted or fresh:  # (fresh: the registration below counts it, ahead of any deletion)
+                rref._counted[0] += 1
+        if counted:
+            return rref  # confirmed: the owner counted us before the RRef left it
         if fresh and sender == owner.id:
             # The owner forked it to us and keeps its fork hold until it hears from us: the
             # value cannot go meanwhile, so the RRef is confirmed now (torch's early fork
@@ -197,6 +239,15 @@ class RRefContext:
             # Our own registration is still in flight: the sender must keep its hold until
             # the owner has it, or the sender's deletion could overtake it.
             confirmation.add_done_callback(lambda _: self.child_accepted_at(sender, token))
+        return rref
+
+    def _new_user(self, owner: WorkerInfo, rref_id: RRefId, counted: int) -> RRef[Any]:
+        """A user RRef object for ``rref_id`` (under ``_lock``), the one this process holds;
+        ``counted``: how many times the owner counts this process for it so far."""
+        rref = RRef._make(owner, rref_id)
+        rref._counted = [counted]
+        self.users[rref_id] = weakref.ref(rref)
+        weakref.finalize(rref, self._user_finalized, rref_id, rref._counted)
         return rref
 
     def _registration_failed(self, registered: Future[Any], sender: int, token: int) -> None:
@@ -251,14 +302,16 @@ class RRefContext:
             child = self.pending_children.pop(token, None)
         del child  # possibly the last reference: its finalizer runs here, outside the lock
 
-    def _user_finalized(self, rref_id: RRefId) -> None:
+    def _user_finalized(self, rref_id: RRefId, counted: list[int]) -> None:
         with self._lock:
             ref = self.users.get(rref_id)
             if ref is not None and ref() is None:
                 del self.users[rref_id]
-        self._notify_deleted(rref_id)
+            count, counted[0] = counted[0], 0
+        if count:
+            self._notify_deleted(rref_id, count)
 
-    def _notify_deleted(self, rref_id: RRefId) -> None:
+    def _notify_deleted(self, rref_id: RRefId, count: int) -> None:
         if self._closed:
             return
         owner = self.agent.workers_by_rank.get(rref_id[0])
@@ -267,9 +320,8 @@ class RRefContext:
         try:
             # A notice: nothing waits for the owner's answer, so none comes back (a call cost
             # the owner an answer and this worker a wake-up to read it, for every RRef dropped).
-            self.agent.notify(
-                owner, _user_deleted, (rref_id, self.agent.info.id), function_name="rpcdist.rref.deleted"
-            )
+            told = (rref_id, self.agent.info.id, count)
+            self.agent.notify(owner, _user_deleted, told, function_name="rpcdist.rref.deleted")
         except Exception as exc:  # shutting down: the owner frees it at its own shutdown
             log.debug("could not tell %s that %s was deleted: %s", owner.name, rref_id, exc)
 
@@ -301,7 +353,10 @@ class RRefContext:
             # A fork in flight tells its owner when its hold ends (the object's finalizer).
             if rref is not None and rref_id not in forking:
                 rref._released = True
-                self._notify_deleted(rref_id)
+                with self._lock:
+                    count, rref._counted[0] = rref._counted[0], 0
+                if count:
+                    self._notify_deleted(rref_id, count)
 
     def close(self) -> None:
         self._closed = True
@@ -331,6 +386,7 @@ class RRef(Generic[T]):
     _id: RRefId
     _confirmed: Future[Any] | None
     _released: bool
+    _counted: list[int]  # (a user RRef) how many times its owner counts this process for it
 
     def __init__(self, value: Any = None, type_hint: Any = None) -> None:
         agent = _agent()
@@ -526,6 +582,13 @@ class RRef(Generic[T]):
         context = _context()
         me = context.agent.info.id
         decoded_in_order()  # (its protocol relies on the receiver's loop decoding it in order)
+        if self._owner.id == me and (receiver := message_receiver()) is not None:
+            # Counted now, before the message can leave: the receiver's deletion, whenever it
+            # comes, undoes a count that is there. Nothing to hold, nothing to hear back.
+            context.count_holder(self._id, receiver)
+            uncount = functools.partial(context.uncount_holder, self._id, receiver, 1)
+            on_undelivered(functools.partial(context._on_loop, uncount))
+            return (_rebuild_rref, (self._owner, self._id, me, OWNER_COUNTED))
         if self._owner.id != me and ordered_receiver() == self._owner.id:
             # A call to the owner: it adopts the RRef while decoding the call, before it can
             # see this worker's deletion of it (same link, arrival order). No fork hold, and
@@ -793,9 +856,8 @@ def _create(
     """On the owner: register the creator at once (in arrival order, before any deletion the
     creator sends next), then run ``func`` and keep its result (or error)."""
     context = _context()
-    entry = context.entry(rref_id)
     if creator >= 0:
-        entry.holders.add(creator)
+        context.count_holder(rref_id, creator)
     return context.agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout))
 
 
@@ -837,7 +899,7 @@ async def _run_create(
 def _register(rref_id: RRefId, user: int, sender: int, token: int) -> None:
     """On the owner: ``user`` now holds an RRef that ``sender`` forked to it."""
     context = _context()
-    context.entry(rref_id).holders.add(user)
+    context.count_holder(rref_id, user)
     context.child_accepted_at(sender, token)
 
 
@@ -853,16 +915,13 @@ def _child_accepted(token: int) -> None:
 
 @trust
 @inline
-def _user_deleted(rref_id: RRefId, user: int) -> None:
-    """On the owner: ``user`` no longer holds an RRef to ``rref_id``. (A notice that arrives
-    once this worker has shut its RRefs down finds what it owned freed already.)"""
+def _user_deleted(rref_id: RRefId, user: int, count: int = 1) -> None:
+    """On the owner: ``user`` no longer holds the RRef to ``rref_id`` it was counted for
+    ``count`` times. (A notice that arrives once this worker has shut its RRefs down finds
+    what it owned freed already.)"""
     context = _current
-    if context is None:
-        return
-    entry = context.owned.get(rref_id)
-    if entry is not None:
-        entry.holders.discard(user)
-        context.maybe_free(rref_id)
+    if context is not None:
+        context.uncount_holder(rref_id, user, count)
 
 
 def _qualname(func: Any) -> str:
@@ -891,9 +950,7 @@ def create_remote(
         return rref
     call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}), seconds)
     with context._lock:
-        rref = RRef._make(dest, rref_id)
-        context.users[rref_id] = weakref.ref(rref)
-    weakref.finalize(rref, context._user_finalized, rref_id)
+        rref = context._new_user(dest, rref_id, 1)  # (_create counts its creator)
     # (waited: remote() calls seldom come in bursts, and a pipeline's next call depends on it)
     created = agent.submit(dest, _create, call_args, None, timeout, function_name=name, waited=True)
     _await_confirmation(rref, created)
