@@ -15,14 +15,16 @@ The protocol (the guarantees torch documents for its RRefs, kept with fewer mess
   RRef (before the message can leave), so the receiver's deletion, whenever it arrives,
   finds the count it undoes (torch's early fork registration). An owner RRef sent in a
   message that never arrives is uncounted.
-- **Forks between users**: whoever pickles an RRef into a message keeps its own RRef alive
-  (a "pending child") until the owner has registered (counted) the receiver (``_register``);
-  only then may the sender's own deletion reach the owner, so passing an RRef from A to B
-  while A drops it never frees the value early. Messages from one worker to another arrive
-  in order, so a holder's registration always precedes its deletion.
-- A call whose arguments bring a worker a user RRef it did not hold runs only once the owner
-  has registered that worker (as torch's: ``confirmed_by_owner()`` is true inside it); if the
-  owner cannot confirm it within the call's timeout, the call fails with that error.
+- **Forks between users** cost one notice: the sender tells the owner to count the receiver
+  (``_fork_counted``, riding with the sender's next message to the owner). The sender's own
+  deletion travels after that notice on the same link, so the value stays until the receiver
+  is counted; the receiver neither registers nor waits. A receiver's deletion that overtakes
+  the notice (another link) leaves a negative count, which keeps the value until it arrives.
+- Where a sender cannot notify the owner (it is out of reach) or the receiver is not known,
+  the sender keeps its own RRef alive (a "pending child") until the owner has registered the
+  receiver (``_register``, the receiver's call); a call that receives such an RRef runs only
+  once the owner has registered it (as torch's: ``confirmed_by_owner()`` is true inside it),
+  and fails with that error if the owner cannot confirm it within the call's timeout.
 - If the function of ``remote()`` fails, every ``to_here()`` raises its error; if the owner
   is gone, ``to_here()`` raises WorkerUnavailableError naming it.
 """
