@@ -393,17 +393,23 @@ def test_fuzz_every_store_method(store: GrpcStore, op: tuple[str, object, object
 def test_declared_huge_length_is_refused_without_allocating(opcode: bytes) -> None:
     """Found by the fuzzer: C pickle allocates what such an opcode declares before it finds
     the message shorter; restricted mode walks the opcodes first."""
+    raw = b"\x80\x05" + opcode + (1 << 31).to_bytes(8, "little") + b"xx."
+    _refused_within(raw, "malformed", 64 << 20)
+
+
+def _refused_within(raw: bytes, reason: str, max_bytes: int) -> None:
+    """Restricted mode refuses ``raw`` (a message matching ``reason``), allocating less than
+    ``max_bytes`` on the way (traced: the refusal must come before any big allocation)."""
     import tracemalloc
 
-    raw = b"\x80\x05" + opcode + (1 << 31).to_bytes(8, "little") + b"xx."
     tracemalloc.start()
     try:
-        with pytest.raises(RestrictedError, match="malformed"):
+        with pytest.raises(RestrictedError, match=reason):
             serialization.loads(raw, restricted=True)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 64 << 20, f"{peak} bytes allocated for a {len(raw)}-byte message"
+    assert peak < max_bytes, f"{peak} bytes allocated for a {len(raw)}-byte message"
 
 
 @pytest.mark.parametrize(
@@ -415,17 +421,8 @@ def test_memo_put_beyond_the_filled_slots_is_refused_without_allocating(put: byt
     """Found by the fuzzer (a CI run OOM-killed at 24 GB): C pickle grows its memo table to
     twice the slot a put names, zeroed, so 8 bytes naming slot 10**9 cost 16 GB. A pickler fills
     slots in order; restricted mode refuses a put past the next free one before unpickling."""
-    import tracemalloc
-
     raw = b"\x80\x04N" + put + b"."
-    tracemalloc.start()
-    try:
-        with pytest.raises(RestrictedError, match="memo put at byte 3 names slot"):
-            serialization.loads(raw, restricted=True)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 16 << 20, f"{peak} bytes allocated for a {len(raw)}-byte message"
+    _refused_within(raw, "memo put at byte 3 names slot", 16 << 20)
     assert pickle.loads(raw) is None  # the same bytes are a valid pickle (that allocates) otherwise
 
 
