@@ -133,7 +133,7 @@ class RRefContext:
         self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
         self.pending_children: dict[int, RRef[Any]] = {}
         # users/pending_children, and the owner's entries and counts (made on the loop, and
-        # by a thread that pickles an owner RRef: see count_fork), are touched from any thread;
+        # by a thread that pickles an owner RRef: see count_holder), are touched from any thread;
         # re-entrant because the garbage collector may run an RRef finalizer (which takes it)
         # inside any locked block.
         self._lock = threading.RLock()
@@ -147,7 +147,7 @@ class RRefContext:
             raise RpcError("RPC agent is gone (shut down)")
         return agent
 
-    # -- owner side (on the loop, but count_fork) ------------------------------------------------
+    # -- owner side (on the loop, but count_holder) ----------------------------------------------
     def entry(self, rref_id: RRefId) -> _OwnerEntry:
         """The owner's entry for ``rref_id``, made on first mention (creation, fetch or fork)."""
         entry = self.owned.get(rref_id)
@@ -976,6 +976,7 @@ def _fork_counted(rref_id: RRefId, user: int) -> None:
     context = _current
     if context is not None:
         context.count_holder(rref_id, user)
+        context.maybe_free(rref_id)  # (it arrived after the receiver's deletion: its count is 0)
 
 
 def _qualname(func: Any) -> str:
