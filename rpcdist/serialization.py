@@ -160,34 +160,57 @@ _MAX_DTYPE_DEPTH = 8  # nested structured dtypes in a description
 
 def _dtype_description(dtype: np.dtype) -> Any:
     """``dtype`` as :func:`rebuild_ndarray` takes it back: its string (``"<i8"``) for a plain
-    dtype, its fields (``dtype.descr``) for a structured one, ``(base, shape)`` for a subarray."""
+    dtype, ``(base, shape)`` for a subarray, and for a structured one numpy's dict form (names,
+    formats, offsets, itemsize: padding and alignment kept), whose offsets numpy checks."""
     if dtype.fields is not None:
-        return dtype.descr
+        names = list(dtype.names)
+        fields = [dtype.fields[name] for name in names]
+        description: dict[str, Any] = {
+            "names": names,
+            "formats": [_dtype_description(field[0]) for field in fields],
+            "offsets": [field[1] for field in fields],
+            "itemsize": dtype.itemsize,
+        }
+        if any(len(field) > 2 for field in fields):
+            description["titles"] = [field[2] if len(field) > 2 else None for field in fields]
+        if dtype.isalignedstruct:
+            description["aligned"] = True
+        return description
     if dtype.subdtype is not None:
         base, shape = dtype.subdtype
         return (_dtype_description(base), shape)
     return dtype.str
 
 
+_STRUCT_KEYS = frozenset(("names", "formats", "offsets", "itemsize", "titles", "aligned"))
+
+
 def _check_description(description: Any, depth: int = 0) -> None:
-    """Only what :func:`_dtype_description` makes: strings, field lists and (base, shape)."""
+    """Only what :func:`_dtype_description` makes: strings, (base, shape) and struct dicts."""
     if type(description) is str:
         return
     if depth < _MAX_DTYPE_DEPTH and type(description) is tuple and len(description) == 2:
         _check_description(description[0], depth + 1)
         _check_shape(description[1])
         return
-    if depth < _MAX_DTYPE_DEPTH and type(description) is list:
-        for field in description:
-            if type(field) is not tuple or len(field) not in (2, 3):
-                break
-            name = field[0]
-            if not (type(name) is str or (type(name) is tuple and all(type(n) is str for n in name))):
-                break
-            _check_description(field[1], depth + 1)
-            if len(field) == 3:
-                _check_shape(field[2])
-        else:
+    if depth < _MAX_DTYPE_DEPTH and type(description) is dict and description.keys() <= _STRUCT_KEYS:
+        names, formats = description.get("names"), description.get("formats")
+        offsets, titles = description.get("offsets"), description.get("titles", [])
+        if (
+            type(names) is list
+            and all(type(name) is str for name in names)
+            and type(formats) is list
+            and len(formats) == len(names)
+            and type(offsets) is list
+            and len(offsets) == len(names)
+            and all(type(offset) is int for offset in offsets)
+            and type(description.get("itemsize")) is int
+            and type(description.get("aligned", False)) is bool
+            and type(titles) is list
+            and all(title is None or type(title) is str for title in titles)
+        ):
+            for field in formats:
+                _check_description(field, depth + 1)
             return
     raise SerializationError(f"an array arrived with a malformed dtype description {description!r:.200}")
 
@@ -261,7 +284,7 @@ class _Pickler(pickle.Pickler):
             return self._reduce_tensor(obj)
         if cls is np.ndarray and obj.dtype.hasobject is False:
             return self._reduce_ndarray(obj)
-        if issubclass(cls, np.generic):
+        if issubclass(cls, np.generic) and not obj.dtype.hasobject:
             return (rebuild_numpy_scalar, (_dtype_description(obj.dtype), obj.tobytes()))
         if issubclass(cls, np.dtype) and not obj.hasobject:
             return (rebuild_numpy_dtype, (_dtype_description(obj),))

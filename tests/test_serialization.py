@@ -106,6 +106,10 @@ ARRAYS = {
     "structured with a subarray field": lambda: np.array(
         [("x", 1.5, [1, 2])], dtype=[("n", "U3"), ("v", "<f8"), ("w", "<i2", (2,))]
     ),
+    "aligned struct with padding": lambda: np.array(
+        [(1, 2.5)], dtype=np.dtype([("a", "i1"), ("b", "<f8")], align=True)
+    ),
+    "struct with titles": lambda: np.array([(3,)], dtype=[(("the a", "a"), "<i4")]),
     "unicode": lambda: np.array(["ab", "c"]),
     "bytes": lambda: np.array([b"q"]),
     "bool": lambda: np.array([True, False]),
@@ -182,8 +186,11 @@ def test_restricted_mode_refuses_numpys_dtype_state_which_could_claim_memory() -
         (("<i8", (1 << 20,)), (8,), "multiple of element size"),  # a subarray bigger than the bytes
         (("<i8", (1 << 40,)), (8,), "does not fit"),
         ("O", (8,), "object dtype"),  # pointers read from the message
-        ([("a", "O")], (8,), "object dtype"),
-        ({"names": ["a"], "formats": ["<i8"], "offsets": [1 << 40]}, (1,), "malformed dtype"),
+        ({"names": ["a"], "formats": ["O"], "offsets": [0], "itemsize": 8}, (8,), "object dtype"),
+        ({"names": ["a"], "formats": ["<i8"], "offsets": [1 << 40], "itemsize": 8}, (1,), "unknown dtype"),
+        ({"names": ["a"], "formats": ["<i8"], "offsets": [4], "itemsize": 8}, (8,), "unknown dtype"),
+        ({"names": ["a"], "formats": [1.5], "offsets": [0], "itemsize": 8}, (8,), "malformed dtype"),
+        ([("a", "<i8")], (8,), "malformed dtype"),
         ("<i8", (9,), "reshape|size"),  # more elements than the bytes hold
         ("<i8", [8], "malformed shape"),
         ("not a dtype", (8,), "unknown dtype"),
@@ -193,7 +200,10 @@ def test_restricted_mode_refuses_numpys_dtype_state_which_could_claim_memory() -
         "subarray-overflow",
         "object",
         "object-field",
-        "dict-offsets",
+        "offset-overflow",
+        "field-past-itemsize",
+        "number-format",
+        "list-form",
         "too-many-elements",
         "list-shape",
         "unknown",
