@@ -151,28 +151,28 @@ def same_kept(prefix: str) -> bool:
     return all(v is kept[0] for v in kept)
 
 
-_sent: collections.Counter[str] | None = None
+_notices: collections.Counter[str] | None = None
 
 
-def count_sent(start: bool) -> dict[str, int]:
-    """Start (True) or stop (False) counting the calls and notices this worker sends, by
-    function name (``frames.encode_message`` encodes every one); returns the counts."""
-    global _sent
+def count_notices(start: bool) -> dict[str, int]:
+    """Start (True) or stop (False) counting the notices this worker sends, by function name
+    (``frames.encode_message`` is what every notice is encoded with); returns the counts."""
+    global _notices
     if start:
         counted: collections.Counter[str] = collections.Counter()
         original = frames.encode_message
 
         def counting(call_id: int, kind: int, *args: Any, **kwargs: Any) -> Any:
-            if kind in (frames.NOTIFY, frames.REQUEST):
+            if kind == frames.NOTIFY:
                 counted[kwargs.get("function", "")] += 1
             return original(call_id, kind, *args, **kwargs)
 
         counting.original = original  # type: ignore[attr-defined]
         frames.encode_message = counting
-        _sent = counted
+        _notices = counted
         return {}
     frames.encode_message = getattr(frames.encode_message, "original", frames.encode_message)
-    counted, _sent = _sent or collections.Counter(), None
+    counted, _notices = _notices or collections.Counter(), None
     return dict(counted)
 
 

@@ -85,7 +85,6 @@ def test_api(main: GroupRun, name: str) -> None:
         "three_workers",
         "returned_from_remote_function",
         "owner_forks_cost_no_message",
-        "user_forks_cost_one_notice",
         "confirmed_inside_call",
         "all_dropped",
     ],
@@ -167,7 +166,7 @@ def test_failed_value_freed_after_its_error_was_raised(main: GroupRun, name: str
         "to_here_raises",
         "to_here_async_raises",
         "proxy_raises",
-        "forked_argument_fails_at_use",
+        "unconfirmable_argument_fails",
     ],
 )
 def test_owner_gone(gone: GroupRun, name: str) -> None:

@@ -15,16 +15,14 @@ The protocol (the guarantees torch documents for its RRefs, kept with fewer mess
   RRef (before the message can leave), so the receiver's deletion, whenever it arrives,
   finds the count it undoes (torch's early fork registration). An owner RRef sent in a
   message that never arrives is uncounted.
-- **Forks between users** cost one notice: the sender tells the owner to count the receiver
-  (``_fork_counted``, riding with the sender's next message to the owner). The sender's own
-  deletion travels after that notice on the same link, so the value stays until the receiver
-  is counted; the receiver neither registers nor waits. A receiver's deletion that overtakes
-  the notice (another link) leaves a negative count, which keeps the value until it arrives.
-- Where a sender cannot notify the owner (it is out of reach) or the receiver is not known,
-  the sender keeps its own RRef alive (a "pending child") until the owner has registered the
-  receiver (``_register``, the receiver's call); a call that receives such an RRef runs only
-  once the owner has registered it (as torch's: ``confirmed_by_owner()`` is true inside it),
-  and fails with that error if the owner cannot confirm it within the call's timeout.
+- **Forks between users**: whoever pickles an RRef into a message keeps its own RRef alive
+  (a "pending child") until the owner has registered (counted) the receiver (``_register``);
+  only then may the sender's own deletion reach the owner, so passing an RRef from A to B
+  while A drops it never frees the value early. Messages from one worker to another arrive
+  in order, so a holder's registration always precedes its deletion.
+- A call whose arguments bring a worker a user RRef it did not hold runs only once the owner
+  has registered that worker (as torch's: ``confirmed_by_owner()`` is true inside it); if the
+  owner cannot confirm it within the call's timeout, the call fails with that error.
 - If the function of ``remote()`` fails, every ``to_here()`` raises its error; if the owner
   is gone, ``to_here()`` raises WorkerUnavailableError naming it.
 """
@@ -76,7 +74,6 @@ RRefId = tuple[int, int, int]  # (owner rank, rank that created it, counter ther
 _counter = itertools.count(1)
 NO_HOLD = 0  # the fork token of an RRef sent to its owner in a call: nothing to release
 OWNER_COUNTED = -1  # the fork token of an RRef its owner sent, having counted the receiver
-SENDER_NOTICED = -2  # the fork token of an RRef a user sent, having told the owner to count the receiver
 _current: RRefContext | None = None
 
 
@@ -168,18 +165,12 @@ class RRefContext:
             else:
                 del holders[rank]
 
-    def uncount_holder(self, rref_id: RRefId, rank: int, count: int, noticed: int = 0) -> None:
-        """``rank`` said it no longer holds ``count`` of its counted RRefs to ``rref_id``,
-        ``noticed`` of them counted at a sender's notice (which may not have arrived yet)."""
+    def uncount_holder(self, rref_id: RRefId, rank: int, count: int) -> None:
+        """``rank`` said it no longer holds ``count`` of its counted RRefs to ``rref_id``."""
         with self._lock:
             entry = self.owned.get(rref_id)
-            if entry is None:
-                if not noticed:  # (freed at shutdown, or never made: its creation failed first)
-                    return
-                # The senders' notices of these counts, and what made the value, are still on
-                # their way (a sender's own count keeps the value until they arrive): what
-                # `rank` counted itself never happened.
-                entry, count = self.entry(rref_id), noticed
+            if entry is None:  # (freed at shutdown, or never made: its creation failed first)
+                return
             left = entry.holders.get(rank, 0) - count
             if left:
                 entry.holders[rank] = left
@@ -207,7 +198,7 @@ class RRefContext:
         """Rebuild a pickled user RRef here; registers this worker with the owner if new (and
         the owner did not count it when it sent the RRef)."""
         me = self.agent.info.id
-        counted = (token == OWNER_COUNTED and sender == owner.id) or token == SENDER_NOTICED
+        counted = token == OWNER_COUNTED and sender == owner.id
         with self._lock:
             existing = self.users.get(rref_id)
             rref = existing() if existing is not None else None
@@ -218,12 +209,8 @@ class RRefContext:
                 fresh = True
             if counted or fresh:  # (fresh: the registration below counts it, ahead of any deletion)
                 rref._counted[0] += 1
-            if token == SENDER_NOTICED:
-                rref._counted[1] += 1
         if counted:
-            # Confirmed: the owner counted us before the RRef left it, or will count us before
-            # the sender's own deletion can reach it (the sender's notice precedes it).
-            return rref
+            return rref  # confirmed: the owner counted us before the RRef left it
         if fresh and sender == owner.id:
             # The owner forked it to us and keeps its fork hold until it hears from us: the
             # value cannot go meanwhile, so the RRef is confirmed now (torch's early fork
@@ -258,7 +245,7 @@ class RRefContext:
         """A user RRef object for ``rref_id`` (under ``_lock``), the one this process holds;
         ``counted``: how many times the owner counts this process for it so far."""
         rref = RRef._make(owner, rref_id)
-        rref._counted = [counted, 0]
+        rref._counted = [counted]
         self.users[rref_id] = weakref.ref(rref)
         weakref.finalize(rref, self._user_finalized, rref_id, rref._counted)
         return rref
@@ -320,12 +307,11 @@ class RRefContext:
             ref = self.users.get(rref_id)
             if ref is not None and ref() is None:
                 del self.users[rref_id]
-            count, noticed = counted
-            counted[:] = [0, 0]
+            count, counted[0] = counted[0], 0
         if count:
-            self._notify_deleted(rref_id, count, noticed)
+            self._notify_deleted(rref_id, count)
 
-    def _notify_deleted(self, rref_id: RRefId, count: int, noticed: int = 0) -> None:
+    def _notify_deleted(self, rref_id: RRefId, count: int) -> None:
         if self._closed:
             return
         owner = self.agent.workers_by_rank.get(rref_id[0])
@@ -334,7 +320,7 @@ class RRefContext:
         try:
             # A notice: nothing waits for the owner's answer, so none comes back (a call cost
             # the owner an answer and this worker a wake-up to read it, for every RRef dropped).
-            told = (rref_id, self.agent.info.id, count, noticed)
+            told = (rref_id, self.agent.info.id, count)
             self.agent.notify(owner, _user_deleted, told, function_name="rpcdist.rref.deleted")
         except Exception as exc:  # shutting down: the owner frees it at its own shutdown
             log.debug("could not tell %s that %s was deleted: %s", owner.name, rref_id, exc)
@@ -368,10 +354,9 @@ class RRefContext:
             if rref is not None and rref_id not in forking:
                 rref._released = True
                 with self._lock:
-                    count, noticed = rref._counted
-                    rref._counted[:] = [0, 0]
+                    count, rref._counted[0] = rref._counted[0], 0
                 if count:
-                    self._notify_deleted(rref_id, count, noticed)
+                    self._notify_deleted(rref_id, count)
 
     def close(self) -> None:
         self._closed = True
@@ -401,9 +386,7 @@ class RRef(Generic[T]):
     _id: RRefId
     _confirmed: Future[Any] | None
     _released: bool
-    # (a user RRef) how many times its owner counts this process for it, and how many of those
-    # counts its senders asked for (their notices may reach the owner after our deletion)
-    _counted: list[int]
+    _counted: list[int]  # (a user RRef) how many times its owner counts this process for it
 
     def __init__(self, value: Any = None, type_hint: Any = None) -> None:
         agent = _agent()
@@ -599,16 +582,13 @@ class RRef(Generic[T]):
         context = _context()
         me = context.agent.info.id
         decoded_in_order()  # (its protocol relies on the receiver's loop decoding it in order)
-        receiver = message_receiver()
-        if self._owner.id == me and receiver is not None:
+        if self._owner.id == me and (receiver := message_receiver()) is not None:
             # Counted now, before the message can leave: the receiver's deletion, whenever it
             # comes, undoes a count that is there. Nothing to hold, nothing to hear back.
             context.count_holder(self._id, receiver)
             uncount = functools.partial(context.uncount_holder, self._id, receiver, 1)
             on_undelivered(functools.partial(context._on_loop, uncount))
             return (_rebuild_rref, (self._owner, self._id, me, OWNER_COUNTED))
-        if receiver is not None and receiver != self._owner.id and self._notice_fork(context, receiver):
-            return (_rebuild_rref, (self._owner, self._id, me, SENDER_NOTICED))
         if self._owner.id != me and ordered_receiver() == self._owner.id:
             # A call to the owner: it adopts the RRef while decoding the call, before it can
             # see this worker's deletion of it (same link, arrival order). No fork hold, and
@@ -618,31 +598,6 @@ class RRef(Generic[T]):
         # If the message never reaches its receiver, the hold is given back.
         on_undelivered(functools.partial(context.release_child, token))
         return (_rebuild_rref, (self._owner, self._id, me, token))
-
-    def _notice_fork(self, context: RRefContext, receiver: int) -> bool:
-        """A user forking to another user: tell the owner to count ``receiver`` (a notice
-        that may ride with our next message to the owner; our own deletion of this RRef goes
-        after it, so the value stays until it is counted). False if the owner is out of reach:
-        the receiver then registers itself, as before."""
-        agent = context.agent
-        try:
-            forked = (self._id, receiver)
-            name = "rpcdist.rref.forked"
-            agent.notify(self._owner, _fork_counted, forked, function_name=name, deferred=True)
-        except RpcError as exc:
-            log.debug("fork of %s to %d registers at the receiver: %s", self._id, receiver, exc)
-            return False
-        owner, rref_id = self._owner, self._id
-
-        def undelivered() -> None:  # the receiver never had it: undo its count (after the notice)
-            try:
-                gone = (rref_id, receiver, 1, 0)
-                agent.notify(owner, _user_deleted, gone, function_name="rpcdist.rref.deleted")
-            except RpcError as exc:
-                log.debug("could not uncount an undelivered fork of %s: %s", rref_id, exc)
-
-        on_undelivered(undelivered)
-        return True
 
     def __repr__(self) -> str:
         try:
@@ -960,23 +915,13 @@ def _child_accepted(token: int) -> None:
 
 @trust
 @inline
-def _user_deleted(rref_id: RRefId, user: int, count: int = 1, noticed: int = 0) -> None:
+def _user_deleted(rref_id: RRefId, user: int, count: int = 1) -> None:
     """On the owner: ``user`` no longer holds the RRef to ``rref_id`` it was counted for
-    ``count`` times, ``noticed`` of them at its senders' notices. (A notice that arrives once
-    this worker has shut its RRefs down finds what it owned freed already.)"""
+    ``count`` times. (A notice that arrives once this worker has shut its RRefs down finds
+    what it owned freed already.)"""
     context = _current
     if context is not None:
-        context.uncount_holder(rref_id, user, count, noticed)
-
-
-@trust
-@inline
-def _fork_counted(rref_id: RRefId, user: int) -> None:
-    """On the owner: a user of ``rref_id`` sent it to ``user``; count ``user``."""
-    context = _current
-    if context is not None:
-        context.count_holder(rref_id, user)
-        context.maybe_free(rref_id)  # (it arrived after the receiver's deletion: its count is 0)
+        context.uncount_holder(rref_id, user, count)
 
 
 def _qualname(func: Any) -> str:
