@@ -720,7 +720,8 @@ class Caller(LinkHandler):
             if call.future.done():  # ended another way, which interrupted the channel
                 return
             error = WorkerDiedError(
-                f"worker {call.dest.name} is gone: its answer to {call.function} cannot arrive ({exc})"
+                f"worker {call.dest.name} is gone: lost the connection while awaiting its answer to "
+                f"{call.function} ({exc})"
             )
             agent.on_loop(lambda: self.fail(call.call_id, error), sends=False)
 
