@@ -81,6 +81,61 @@ def make_value(i: int) -> torch.Tensor:
     return torch.full((4,), float(i))
 
 
+_runs: collections.Counter[int] = collections.Counter()
+_runs_lock = threading.Lock()
+
+
+def made_slowly(i: int, seconds: float, fail: bool = False) -> torch.Tensor:
+    """:func:`make_value` after ``seconds`` (a value still being made when it is fetched),
+    counting its runs (see :func:`runs`); ``fail``: raises instead."""
+    with _runs_lock:
+        _runs[i] += 1
+    time.sleep(seconds)
+    if fail:
+        raise ValueError(f"made_slowly({i}) failed on purpose")
+    return make_value(i)
+
+
+def made_from(rref: rpc.RRef[Any], i: int, seconds: float) -> torch.Tensor:
+    """:func:`made_slowly` once ``rref``'s value has been fetched (a call whose RRef argument
+    its owner must confirm first)."""
+    rref.to_here(30)
+    return made_slowly(i, seconds)
+
+
+class Maker:
+    """A value whose method makes values slowly: ``maker.remote().make(...)``."""
+
+    def make(self, i: int, seconds: float) -> torch.Tensor:
+        return made_slowly(i, seconds)
+
+
+def runs() -> dict[int, int]:
+    """How many times :func:`made_slowly` ran for each ``i`` here, since the last call (reset)."""
+    with _runs_lock:
+        counted = dict(_runs)
+        _runs.clear()
+    return counted
+
+
+async def fetch_from_threads(rref: rpc.RRef[Any], threads: int, timeout: float) -> list[Any]:
+    """``to_here()`` from ``threads`` threads at once (each on its own reply channel to a
+    co-located owner); every thread's value, or the type and text of what it raised and where
+    (worker, function). (Plain
+    threads, waited for on the loop: a pool thread blocked in a join would hold its place in
+    the pool, which the owner's calls back here may need.)"""
+
+    def fetch() -> Any:
+        try:
+            return rref.to_here(timeout).tolist()
+        except Exception as exc:  # noqa: BLE001 - reported
+            where = (getattr(exc, "remote_worker", None), getattr(exc, "remote_function", None))
+            return {"type": type(exc).__name__, "message": str(exc), "raised": where}
+
+    loop = asyncio.get_running_loop()
+    return list(await asyncio.gather(*(loop.run_in_executor(None, fetch) for _ in range(threads))))
+
+
 def make_payload(i: int) -> torch.Tensor:
     """A 1 KiB value per RRef, for the many-RRefs round."""
     return torch.full((256,), float(i))

@@ -528,6 +528,47 @@ def _races() -> None:
     with check("race/use_before_confirmation/dropped"):
         wait_clear()
 
+    with check("race/made_while_fetched") as c:
+        # Values w2 makes slowly on a thread (a plain function; a method through an RRef's
+        # proxy; a function whose RRef argument w2 must register first), fetched while being
+        # made by two threads of w1 at once (each fetch is read on w2 by a thread of its own,
+        # which makes the value, or waits for the thread making it, and answers) and by w0,
+        # their creator: every fetch gets the value, and each function runs once.
+        rpc.rpc_sync("w2", rrf.runs, (), timeout=CALL_TIMEOUT)  # (reset)
+        maker = rpc.remote("w2", rrf.Maker, ())
+        held = rpc.remote("w1", rrf.make_value, (-1,))  # owned by w1: w2 registers for it
+        fresh, futures = [], []
+        for i in range(n // 4):
+            if i % 3 == 0:
+                made = rpc.remote("w2", rrf.made_slowly, (i, 0.01))
+            elif i % 3 == 1:
+                made = maker.remote().make(i, 0.01)
+            else:
+                made = rpc.remote("w2", rrf.made_from, (held, i, 0.01))
+            futures.append(rpc.rpc_async("w1", rrf.fetch_from_threads, (made, 2, 30), timeout=CALL_TIMEOUT))
+            fresh.append(made)
+        mine = [made.to_here(30).tolist() for made in fresh]
+        fetched = [f.wait() for f in futures]
+        ran = rpc.rpc_sync("w2", rrf.runs, (), timeout=CALL_TIMEOUT)
+        c.value = {"values": len(fresh), "runs": sum(ran.values())}
+        assert mine == [value_list(i) for i in range(n // 4)], mine[:3]
+        assert fetched == [[value_list(i)] * 2 for i in range(n // 4)], fetched[:3]
+        assert ran == {i: 1 for i in range(n // 4)}, ran
+        # A value whose making fails, fetched while being made: each fetch raises its error.
+        failing = [rpc.remote("w2", rrf.made_slowly, (n + k, 0.01, True)) for k in range(8)]
+        fetches = [
+            rpc.rpc_async("w1", rrf.fetch_from_threads, (f, 2, 30), timeout=CALL_TIMEOUT) for f in failing
+        ]
+        for error in (e for fetch in fetches for e in fetch.wait()):
+            assert isinstance(error, dict) and error["type"] == "ValueError", error
+            assert "failed on purpose" in error["message"] and error["raised"][0] == "w2", error
+            assert error["raised"][1].endswith("made_slowly"), error
+        assert rpc.rpc_sync("w2", rrf.runs, (), timeout=CALL_TIMEOUT) == {n + k: 1 for k in range(8)}
+        del maker, held, made, fresh, futures, failing, fetches
+
+    with check("race/made_while_fetched/dropped"):
+        wait_clear()
+
     with check("race/fork_chain_while_deleting"):
         # w0 -> w1 -> w2 where each sender drops its copy as soon as the next one has it
         futures = []

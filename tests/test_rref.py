@@ -122,6 +122,8 @@ def test_failed_send_releases_fork_hold(main: GroupRun) -> None:
         "fork_while_sender_deletes/dropped",
         "use_before_confirmation",
         "use_before_confirmation/dropped",
+        "made_while_fetched",
+        "made_while_fetched/dropped",
         "fork_chain_while_deleting",
         "all_dropped",
     ],
