@@ -136,6 +136,24 @@ async def fetch_from_threads(rref: rpc.RRef[Any], threads: int, timeout: float) 
     return list(await asyncio.gather(*(loop.run_in_executor(None, fetch) for _ in range(threads))))
 
 
+_gates: dict[str, threading.Event] = {}
+
+
+def blocked_until_opened(key: str, seconds: float) -> bool:
+    """Hold a thread of this worker's pool on a plain wait (which lends its place to nothing)
+    until :func:`open_gate` opens ``key`` or ``seconds`` pass; whether it was opened."""
+    with _kept_lock:
+        gate = _gates.setdefault(key, threading.Event())
+    return gate.wait(seconds)
+
+
+async def open_gate(key: str) -> None:
+    """Open ``key`` for :func:`blocked_until_opened` (``async``: run by the loop, not queued on
+    the pool its waiters hold)."""
+    with _kept_lock:
+        _gates.setdefault(key, threading.Event()).set()
+
+
 def make_payload(i: int) -> torch.Tensor:
     """A 1 KiB value per RRef, for the many-RRefs round."""
     return torch.full((256,), float(i))

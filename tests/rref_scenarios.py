@@ -26,6 +26,7 @@ from _harness import check
 from rpc_scenarios import SERVE_TIMEOUT, finish_async, init, options, raises, wait_until
 
 import rpcdist.rpc as rpc
+import rpcdist.rpc.rref as rref_module
 from rpcdist.errors import BlockingCallError, RpcError, SerializationError
 
 WORKERS = ("w0", "w1", "w2")
@@ -568,6 +569,30 @@ def _races() -> None:
 
     with check("race/made_while_fetched/dropped"):
         wait_clear()
+
+    with check("race/fetch_while_pool_blocked") as c:
+        # Every place and thread of w1's pool held by user functions blocked on plain waits:
+        # a fetch of a value w1 owns is still answered (rpcdist's own, it needs no place), by
+        # the thread reading it from a reply channel (w0's, w2's) or by w1's loop.
+        held = rpc.remote("w1", rrf.make_value, (5,))
+        held.to_here(30)
+        blocked = [
+            rpc.rpc_async("w1", rrf.blocked_until_opened, ("race/pool", 60), timeout=90)
+            for _ in range(rpc.RpcBackendOptions().num_worker_threads + 4)
+        ]
+        time.sleep(0.5)  # (they hold every thread)
+        try:
+            fetched = rpc.rpc_sync("w2", rrf.fetch_now, (held, 10), timeout=CALL_TIMEOUT)
+            mine = held.to_here(10).tolist()
+            # (the fetch as a call on the link, as from another host: w1's loop answers it)
+            on_link = rpc.rpc_async("w1", rref_module._fetch_owned, (held._id,), timeout=10)
+            from_loop = on_link.wait().tolist()
+        finally:
+            rpc.rpc_sync("w1", rrf.open_gate, ("race/pool",), timeout=CALL_TIMEOUT)
+        c.value = {"blocked": len(blocked)}
+        assert [f.wait() for f in blocked] == [True] * len(blocked)
+        assert fetched == mine == from_loop == value_list(5), (fetched, mine, from_loop)
+        del held, blocked
 
     with check("race/fork_chain_while_deleting"):
         # w0 -> w1 -> w2 where each sender drops its copy as soon as the next one has it

@@ -28,6 +28,7 @@ from rpcdist.agent.markers import (
     RunAsCall,
     is_async_execution,
     is_inline,
+    is_prompt,
     runs_anywhere,
     runs_as_coroutine,
     runs_on_thread,
@@ -232,6 +233,17 @@ class ChannelCalls:
         if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
             run_in = contextvars.copy_context()
             run_in.run(agent.extension.enter, state[0])
+        if is_prompt(func):  # rpcdist's own, answered at once: no place in the pool needed
+            job = _ThreadJob()
+            session.track(call_id, job)
+            run = functools.partial(
+                callee._run_blocking, answering, call_id, function, func, args, kwargs, job, None
+            )
+            if run_in is None:
+                run()
+            else:
+                run_in.run(run)
+            return
         pool = agent.pool
         if not pool.enter():  # as many calls run as the pool allows: queued there
             # and the caller is told to send its next requests on its link for a while (see
@@ -466,6 +478,8 @@ class Callee:
         agent = self.agent
         if is_inline(func):  # rpcdist's own short, non-blocking handlers
             self._run_inline(session, call_id, function, func, args, kwargs, run_in, timeout)
+        elif is_prompt(func):  # rpcdist's own plain ones that answer at once: here, not queued
+            self._run_prompt(session, call_id, function, func, args, kwargs, run_in)
         elif runs_as_coroutine(func):
             task = agent.loop.create_task(
                 self._run_async(session, call_id, function, func, args, kwargs), context=run_in
@@ -476,6 +490,31 @@ class Callee:
                 task.add_done_callback(lambda _: deadline.cancel())  # don't pin finished calls
         else:
             self._queue_blocking(session, call_id, function, func, args, kwargs, run_in, timeout)
+
+    def _run_prompt(
+        self,
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        run_in: contextvars.Context | None,
+    ) -> None:
+        """Run one of rpcdist's :func:`~rpcdist.agent.markers.prompt` handlers on the loop and
+        answer it (once the Future it returns settles, if it does)."""
+        within = run_in.run if run_in is not None else _call
+        try:
+            result = within(func, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - goes back to the caller
+            self._respond_error(session, call_id, function, exc)
+            return
+        if isinstance(result, Future):
+            if not (result.done() and result.exception() is None):
+                self._answer_on_completion(session, call_id, function, result)
+                return
+            result = result.value()
+        within(self._respond, session, call_id, function, result)
 
     def _queue_blocking(
         self,

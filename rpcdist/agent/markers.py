@@ -21,6 +21,7 @@ ASYNC_EXECUTION_ATTR = "_rpcdist_async_execution"
 TORCH_ASYNC_EXECUTION_ATTR = "_wrapped_async_rpc_function"  # torch's own marker
 INLINE_ATTR = "_rpcdist_inline"
 ANYWHERE_ATTR = "_rpcdist_anywhere"
+PROMPT_ATTR = "_rpcdist_prompt"
 
 
 def is_async_execution(fn: Any) -> bool:
@@ -79,6 +80,22 @@ def anywhere(func: F) -> F:
 def runs_anywhere(fn: Any) -> bool:
     """Whether ``fn`` is an inline handler marked :func:`anywhere`."""
     return bool(getattr(fn, ANYWHERE_ATTR, False))
+
+
+def prompt(func: F) -> F:
+    """Internal: mark one of rpcdist's own plain handlers (not :func:`inline`: a caller may send
+    it as a plain call, see ``rpcdist.transport.reply_channel``) that never blocks and is safe
+    on any thread: it returns at once, a value or a Future it settles later (a fetch of an
+    RRef's value). A callee runs it where it reads it (the loop, or a reply channel's thread)
+    without a place in the worker pool, so a pool whose places are all held by user functions
+    blocked on their own waits cannot hold it up (they may be waiting for what it answers)."""
+    setattr(func, PROMPT_ATTR, True)
+    return func
+
+
+def is_prompt(fn: Any) -> bool:
+    """Whether ``fn`` is a plain handler marked :func:`prompt`."""
+    return bool(getattr(fn, PROMPT_ATTR, False))
 
 
 class RunAsCall(NamedTuple):

@@ -55,7 +55,7 @@ from rpcdist.agent.extensions import (
     ordered_receiver,
     pickling_message,
 )
-from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR, RunAsCall, inline, is_async_execution
+from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR, RunAsCall, inline, is_async_execution, prompt
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
@@ -715,11 +715,14 @@ def _fetch(rref_id: RRefId) -> Any:
 
 
 @trust
+@prompt
 def _fetch_owned(rref_id: RRefId) -> Future[Any]:
     """:func:`_fetch` run as a plain call, for a thread that waits for the value next: on the
-    thread that runs it (a reply channel's, co-located), a value that exists is answered at
+    thread that reads it (a reply channel's, co-located), a value that exists is answered at
     once, without the owner's loop; one still being made is answered once it is, from the
-    loop. ``async_execution``: the callee answers with the Future's outcome."""
+    loop. ``async_execution``: the callee answers with the Future's outcome. ``prompt``: it
+    takes no place in the worker pool (read on the link, the loop runs it), so user functions
+    blocked on the pool cannot hold up the fetch of a value one of them may be waiting for."""
     done: Future[Any] = Future()
 
     def settle(value: asyncio.Future[Any]) -> None:
