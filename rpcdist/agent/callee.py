@@ -233,16 +233,9 @@ class ChannelCalls:
         if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
             run_in = contextvars.copy_context()
             run_in.run(agent.extension.enter, state[0])
+        run = functools.partial(self._run_here, answering, header, func, args, kwargs, run_in)
         if is_prompt(func):  # rpcdist's own, answered at once: no place in the pool needed
-            job = _ThreadJob()
-            session.track(call_id, job)
-            run = functools.partial(
-                callee._run_blocking, answering, call_id, function, func, args, kwargs, job, None
-            )
-            if run_in is None:
-                run()
-            else:
-                run_in.run(run)
+            run()
             return
         pool = agent.pool
         if not pool.enter():  # as many calls run as the pool allows: queued there
@@ -254,18 +247,31 @@ class ChannelCalls:
             callee._queue_blocking(answering, call_id, function, func, args, kwargs, run_in, timeout)  # type: ignore[arg-type]
             return
         try:
-            deadline = time.monotonic() + timeout if timeout > 0 else None
-            job = _ThreadJob()
-            session.track(call_id, job)  # (counted as running; answering untracks it)
-            run = functools.partial(
-                callee._run_blocking, answering, call_id, function, func, args, kwargs, job, deadline
-            )
-            if run_in is None:
-                run()
-            else:
-                run_in.run(run)
+            run()
         finally:
             pool.leave()
+
+    def _run_here(
+        self,
+        answering: _AnsweredOnChannel,
+        header: Any,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        run_in: contextvars.Context | None,
+    ) -> None:
+        """Run the request on this thread (in the caller's state, if any) and answer it."""
+        timeout, call_id = header.timeout_seconds, header.call_id
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        job = _ThreadJob()
+        answering.track(call_id, job)  # (counted as running; answering untracks it)
+        run = functools.partial(
+            self.callee._run_blocking, answering, call_id, header.function, func, args, kwargs, job, deadline
+        )
+        if run_in is None:
+            run()
+        else:
+            run_in.run(run)
 
     def cleanup(self) -> None:
         self.assemblies.clear()
