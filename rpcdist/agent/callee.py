@@ -482,10 +482,8 @@ class Callee:
     ) -> None:
         """Run a decoded call the way its function runs (``timeout`` in seconds, 0: none)."""
         agent = self.agent
-        if is_inline(func):  # rpcdist's own short, non-blocking handlers
+        if is_inline(func) or is_prompt(func):  # rpcdist's own short, non-blocking handlers
             self._run_inline(session, call_id, function, func, args, kwargs, run_in, timeout)
-        elif is_prompt(func):  # rpcdist's own plain ones that answer at once: here, not queued
-            self._run_prompt(session, call_id, function, func, args, kwargs, run_in)
         elif runs_as_coroutine(func):
             task = agent.loop.create_task(
                 self._run_async(session, call_id, function, func, args, kwargs), context=run_in
@@ -496,31 +494,6 @@ class Callee:
                 task.add_done_callback(lambda _: deadline.cancel())  # don't pin finished calls
         else:
             self._queue_blocking(session, call_id, function, func, args, kwargs, run_in, timeout)
-
-    def _run_prompt(
-        self,
-        session: InboundSession,
-        call_id: int,
-        function: str,
-        func: Any,
-        args: Any,
-        kwargs: Any,
-        run_in: contextvars.Context | None,
-    ) -> None:
-        """Run one of rpcdist's :func:`~rpcdist.agent.markers.prompt` handlers on the loop and
-        answer it (once the Future it returns settles, if it does)."""
-        within = run_in.run if run_in is not None else _call
-        try:
-            result = within(func, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - goes back to the caller
-            self._respond_error(session, call_id, function, exc)
-            return
-        if isinstance(result, Future):
-            if not (result.done() and result.exception() is None):
-                self._answer_on_completion(session, call_id, function, result)
-                return
-            result = result.value()
-        within(self._respond, session, call_id, function, result)
 
     def _queue_blocking(
         self,
@@ -683,6 +656,8 @@ class Callee:
         run_in: contextvars.Context | None,
         timeout: float,
     ) -> None:
+        """Run one of rpcdist's own handlers on the loop (``inline``, or ``prompt`` read on the
+        link) and answer it, once the future it returns settles if it returns one."""
         within = run_in.run if run_in is not None else _call
         try:
             result = within(func, *args, **kwargs)
@@ -696,6 +671,11 @@ class Callee:
             session.track(call_id, result)
             result.add_done_callback(lambda f: within(self._settle_inline, session, call_id, function, f))
             return
+        if isinstance(result, Future):  # (a prompt handler's: see markers.prompt)
+            if not (result.done() and result.exception() is None):
+                self._answer_on_completion(session, call_id, function, result)
+                return
+            result = result.value()
         within(self._respond, session, call_id, function, result)
 
     def _settle_inline(self, session: InboundSession, call_id: int, function: str, done: Any) -> None:
