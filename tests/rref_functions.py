@@ -121,9 +121,8 @@ def runs() -> dict[int, int]:
 async def fetch_from_threads(rref: rpc.RRef[Any], threads: int, timeout: float) -> list[Any]:
     """``to_here()`` from ``threads`` threads at once (each on its own reply channel to a
     co-located owner); every thread's value, or the type and text of what it raised and where
-    (worker, function). (Plain
-    threads, waited for on the loop: a pool thread blocked in a join would hold its place in
-    the pool, which the owner's calls back here may need.)"""
+    (worker, function). (Plain threads, waited for on the loop: a pool thread blocked in a join
+    would hold its place in the pool, which the owner's calls back here may need.)"""
 
     def fetch() -> Any:
         try:

@@ -532,9 +532,9 @@ def _races() -> None:
     with check("race/made_while_fetched") as c:
         # Values w2 makes slowly on a thread (a plain function; a method through an RRef's
         # proxy; a function whose RRef argument w2 must register first), fetched while being
-        # made by two threads of w1 at once (each fetch is read on w2 by a thread of its own,
-        # which makes the value, or waits for the thread making it, and answers) and by w0,
-        # their creator: every fetch gets the value, and each function runs once.
+        # made by two threads of w1 at once (each on a reply channel of its own, answered once
+        # the value is made) and by w0, their creator (through w2's loop): every fetch gets the
+        # value, and each function runs once.
         rpc.rpc_sync("w2", rrf.runs, (), timeout=CALL_TIMEOUT)  # (reset)
         maker = rpc.remote("w2", rrf.Maker, ())
         held = rpc.remote("w1", rrf.make_value, (-1,))  # owned by w1: w2 registers for it
