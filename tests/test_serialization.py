@@ -218,3 +218,23 @@ def test_restricted_mode_refuses_an_array_description_that_does_not_fit_its_byte
     data = pickle.dumps(claim, protocol=5, buffer_callback=buffers.append)
     with pytest.raises(RestrictedError, match=message):
         serialization.loads(data, [bytearray(b.raw()) for b in buffers], restricted=True)
+
+
+def test_a_plain_notice_pickles_as_rpcdist_pickles_it_and_loads_restricted() -> None:
+    """``Caller.notify(plain=True)`` pickles rpcdist's own notices (an RRef's deletion or
+    registration, a context's release) with the standard pickler: the bytes must be the ones
+    rpcdist's pickler writes, and a restricted receiver must accept them."""
+    from rpcdist.autograd.api import _release
+    from rpcdist.rpc.rref import _child_accepted, _register, _user_deleted
+
+    notices = [
+        (_user_deleted, ((3, 1, 17), 1, 2), {}),
+        (_register, ((0, 2, 5), 1, 2, 9), {}),
+        (_child_accepted, (12,), {}),
+        (_release, (40, (0, 1, 2)), {}),
+    ]
+    for notice in notices:
+        plain = pickle.dumps(notice, protocol=5)
+        ours, buffers = serialization.dumps(notice)
+        assert plain == ours and buffers == [], notice[0].__name__
+        assert serialization.loads(plain, restricted=True) == notice

@@ -252,6 +252,7 @@ class Agent:
         function_name: str,
         track: bool = False,
         deferred: bool = False,
+        plain: bool = False,
     ) -> Future[None] | None:
         """Have ``to`` run ``func(*args)`` and answer nothing: for rpcdist's own short loop-side
         handlers (``@inline``) whose caller does not wait, such as the release of a
@@ -262,11 +263,11 @@ class Agent:
 
         ``track``: return a Future that completes once the notice is written to the link (a
         process that waits for it may exit without losing the notice) or fails once it never
-        will be; else None. ``deferred``: it may go out ahead of the next message to ``to``
-        (see ``Caller.notify``)."""
+        will be; else None. ``deferred``: it may go out ahead of the next message to ``to``;
+        ``plain``: ``args`` are plain Python values (see ``Caller.notify``)."""
         if not is_inline(func):
             raise ValueError(f"only rpcdist's own inline handlers are sent as notices, not {function_name}")
-        return self.caller.notify(to, func, args, function_name, track, deferred)
+        return self.caller.notify(to, func, args, function_name, track, deferred, plain)
 
     def on_peer_lost(self, listener: Callable[[WorkerInfo, str], None]) -> None:
         """Call ``listener(peer, reason)`` on the loop whenever the link to a peer is lost

@@ -216,9 +216,8 @@ class RRefContext:
             # value cannot go meanwhile, so the RRef is confirmed now (torch's early fork
             # registration) and our registration is a notice, not a call to wait for. (It
             # travels after any deletion of an earlier RRef of ours to this value.)
-            self.agent.notify(
-                owner, _register, (rref_id, me, sender, token), function_name="rpcdist.rref.register"
-            )
+            told = (rref_id, me, sender, token)
+            self.agent.notify(owner, _register, told, function_name="rpcdist.rref.register", plain=True)
         elif fresh:
             registered = self.agent.submit(
                 owner,
@@ -289,7 +288,9 @@ class RRefContext:
         if sender == self.agent.info.id:
             self.release_child(token)
         else:
-            self.agent.notify(sender, _child_accepted, (token,), function_name="rpcdist.rref.accepted")
+            self.agent.notify(
+                sender, _child_accepted, (token,), function_name="rpcdist.rref.accepted", plain=True
+            )
 
     def hold_child(self, rref: RRef[Any]) -> int:
         token = next(self._tokens)
@@ -321,7 +322,7 @@ class RRefContext:
             # A notice: nothing waits for the owner's answer, so none comes back (a call cost
             # the owner an answer and this worker a wake-up to read it, for every RRef dropped).
             told = (rref_id, self.agent.info.id, count)
-            self.agent.notify(owner, _user_deleted, told, function_name="rpcdist.rref.deleted")
+            self.agent.notify(owner, _user_deleted, told, function_name="rpcdist.rref.deleted", plain=True)
         except Exception as exc:  # shutting down: the owner frees it at its own shutdown
             log.debug("could not tell %s that %s was deleted: %s", owner.name, rref_id, exc)
 
