@@ -86,8 +86,8 @@ def _tell_to_release(agent: Agent, context_id: int, workers: set[int], told: tup
             # Deferred: it goes out with the next message to that worker (the next step's
             # call, typically), within 0.1 s at the latest; it costs that worker no wake-up.
             name = "rpcdist.autograd.release"
-            told = (context_id, everyone)
-            agent.notify(rank, _release, told, function_name=name, deferred=True, plain=True)
+            release = (context_id, everyone)
+            agent.notify(rank, _release, release, function_name=name, deferred=True, plain=True)
         except Exception as exc:  # noqa: BLE001 - a gone worker has nothing to release
             log.debug("cannot release context %s on rank %s: %s", context_id, rank, exc)
 
