@@ -86,6 +86,9 @@ class blocking_wait:
             self._pool._unblocked()
 
 
+_DRAIN_ROUNDS = 10  # (a task that starts another whenever it is cancelled must not hold it up)
+
+
 class LoopThread:
     """An asyncio loop running forever in a daemon thread."""
 
@@ -98,11 +101,15 @@ class LoopThread:
         match_torch_threads()  # collectives reduce and inline handlers run torch ops here
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
-        # Drain what is left so nothing warns about pending tasks, then close.
-        pending = asyncio.all_tasks(self.loop)
-        for task in pending:
-            task.cancel()
-        if pending:
+        # Drain what is left so nothing warns about pending tasks, then close. Again while
+        # the draining starts new tasks (an incoming link's finish, when its peer closes it
+        # meanwhile): one left pending would be destroyed with the closed loop.
+        for _ in range(_DRAIN_ROUNDS):
+            pending = asyncio.all_tasks(self.loop)
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.run_until_complete(self.loop.shutdown_default_executor())

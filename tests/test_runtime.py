@@ -115,3 +115,40 @@ def test_waiting_for_grpc_poller_collects_a_cycle_that_keeps_grpc_alive() -> Non
         assert not _grpc_poller_threads(), [t.name for t in threading.enumerate()]
     finally:
         gc.enable()
+
+
+def test_a_task_started_while_the_loop_winds_down_is_wound_down_too() -> None:
+    """A task that a task being cancelled at shutdown starts (an incoming link's finish, when
+    its peer closes it during our shutdown) is cancelled and run to its end before the loop
+    closes: left pending, it was destroyed with the closed loop ("Task was destroyed but it
+    is pending!", then its clean-up failing on the closed loop)."""
+    import threading
+
+    from rpcdist._runtime import LoopThread
+
+    runner = LoopThread()
+    loop = runner.loop
+    cleaned: list[str] = []
+    started = threading.Event()
+    late_tasks: list[asyncio.Task[None]] = []
+
+    async def late() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned.append("late")
+
+    async def first() -> None:
+        try:
+            started.set()
+            await asyncio.sleep(3600)
+        finally:
+            late_tasks.append(asyncio.get_running_loop().create_task(late()))
+            cleaned.append("first")
+
+    loop.call_soon_threadsafe(lambda: loop.create_task(first()))
+    assert started.wait(5)
+    runner.stop()
+    assert loop.is_closed()
+    assert cleaned == ["first", "late"]
+    assert late_tasks and late_tasks[0].done()
