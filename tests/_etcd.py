@@ -15,11 +15,12 @@ import base64
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from _harness import free_port
 
 HOST = "127.0.0.1"
 ETCD = shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
@@ -34,17 +35,14 @@ def unavailable() -> str | None:
 
 
 def _free_ports(count: int) -> list[int]:
-    """Ports that were free a moment ago (held together, so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((HOST, 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """Distinct ports that were free a moment ago (outside the kernel's ephemeral range: see
+    ``_harness.free_port``)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 class EtcdCluster:

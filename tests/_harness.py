@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
 import socket
 import sys
@@ -160,9 +161,33 @@ def _child_main(spec: dict[str, Any]) -> None:
 
 
 # ============================================================================ test-process side
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out on its own (to outgoing connections, and to port 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """An ephemeral port that was free a moment ago."""
-    with socket.socket() as sock:
+    """A port that was free a moment ago, for a test to bind later (a rendezvous store's).
+
+    It is picked at random below the kernel's ephemeral range: a port from that range can be
+    given to any outgoing connection on the machine between this check and the bind (one
+    was, in CI: both nodes of a launcher test found the store's port taken by a connection,
+    so neither served it), while ports outside it are only ever taken by explicit binds."""
+    low, _ = _ephemeral_range()
+    first = 10000 if low > 11000 else 1024
+    for _ in range(200):
+        port = random.randrange(first, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # (a crowded machine: what the kernel gives)
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _harness import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rpcdist._runtime import LoopThread
@@ -74,12 +75,6 @@ def stop_process(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 # A worker process: talks to a store given on its command line, prints a JSON result.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import worker_functions as wf
+from _harness import free_port
 
 import rpcdist.rpc as rpc
 from rpcdist.programs import worker as worker_program
@@ -31,12 +31,6 @@ def worker_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-m", "rpcdist.programs.worker"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
