@@ -170,6 +170,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_port_picks = random.Random()  # (its own state: a test that seeds the random module changes nothing)
+
+
 def free_port() -> int:
     """A port that was free a moment ago, for a test to bind later (a rendezvous store's).
 
@@ -180,7 +183,7 @@ def free_port() -> int:
     low, _ = _ephemeral_range()
     first = 10000 if low > 11000 else 1024
     for _ in range(200):
-        port = random.randrange(first, low)
+        port = _port_picks.randrange(first, low)
         with socket.socket() as sock:
             try:
                 sock.bind((HOST, port))
