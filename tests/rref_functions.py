@@ -96,6 +96,12 @@ def made_slowly(i: int, seconds: float, fail: bool = False) -> torch.Tensor:
     return make_value(i)
 
 
+async def stall_loop(seconds: float) -> bool:
+    """Holds its worker's event loop for ``seconds`` (a blocking sleep in an ``async def``)."""
+    time.sleep(seconds)
+    return True
+
+
 def made_from(rref: rpc.RRef[Any], i: int, seconds: float) -> torch.Tensor:
     """:func:`made_slowly` once ``rref``'s value has been fetched (a call whose RRef argument
     its owner must confirm first)."""

@@ -570,6 +570,25 @@ def _races() -> None:
     with check("race/made_while_fetched/dropped"):
         wait_clear()
 
+    with check("race/made_while_owner_loop_stalls") as c:
+        # A thread's fetch right after remote() is read by the owner's loop, which then stalls
+        # (a blocking async function): the pool thread that makes the value answers the fetch
+        # itself, on the fetching thread's reply channel, while the loop is still held.
+        slow = rpc.remote("w2", rrf.made_slowly, (7, 0.5))
+        got: dict[str, Any] = {}
+        fetcher = threading.Thread(target=lambda rref=slow: got.update(value=rref.to_here(30).tolist()))
+        fetcher.start()
+        time.sleep(0.2)  # (its request goes out before the stalling call, on the same link)
+        stall = rpc.rpc_async("w2", rrf.stall_loop, (6.0,), timeout=CALL_TIMEOUT)
+        fetcher.join(30)
+        c.value = {"stall_done_at_fetch": stall.done()}
+        assert got.get("value") == value_list(7), got
+        assert not stall.done(), "the fetch was answered only once the owner's loop was free"
+        assert stall.wait() is True
+        assert slow.to_here(30).tolist() == value_list(7)
+        del slow
+        wait_clear()
+
     with check("race/fetch_while_pool_blocked") as c:
         # Every place and thread of w1's pool held by user functions blocked on plain waits:
         # a fetch of a value w1 owns is still answered (rpcdist's own, it needs no place), by

@@ -124,6 +124,7 @@ def test_failed_send_releases_fork_hold(main: GroupRun) -> None:
         "use_before_confirmation/dropped",
         "made_while_fetched",
         "made_while_fetched/dropped",
+        "made_while_owner_loop_stalls",
         "fetch_while_pool_blocked",
         "fork_chain_while_deleting",
         "all_dropped",

@@ -673,7 +673,7 @@ class Callee:
             return
         if isinstance(result, Future):  # (a prompt handler's: see markers.prompt)
             if not (result.done() and result.exception() is None):
-                self._answer_on_completion(session, call_id, function, result)
+                within(self._answer_on_completion, session, call_id, function, result, True)
                 return
             result = result.value()
         within(self._respond, session, call_id, function, result)
@@ -730,17 +730,23 @@ class Callee:
                 inbox.post(lambda: self._finish_later(session, call_id, function, result))
                 return
             if not (result.done() and result.exception() is None):
-                self._answer_on_completion(session, call_id, function, result)
+                own = is_prompt(func)  # (rpcdist's fetch of an RRef's value: see _answer_on_completion)
+                self._answer_on_completion(session, call_id, function, result, from_any_thread=own)
                 return
             result = result.value()  # settled already: answered like a plain result
+        self._answer_here(session, call_id, function, result)
+
+    def _answer_here(self, session: InboundSession, call_id: int, function: str, result: Any) -> None:
+        """Answer a call with ``result`` from this thread (not the loop's): encoded here, and
+        written here, the loop not woken, when it is the peer's only call running here (or the
+        only one its reply channel carries); otherwise through the loop, whose writer packs many
+        answers into one write."""
+        inbox = self.agent.inbox
         try:
             entries = list(self._encode_result(session, call_id, function, result))
         except BaseException as exc:  # noqa: BLE001
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e), sends=False)
             return
-        # Answered from this thread, the loop not woken, when it is the peer's only call running
-        # here (or the only one its reply channel carries); otherwise through the loop, whose
-        # writer packs many answers into one write.
         if (type(session) is _AnsweredOnChannel or len(session.running) == 1) and session.writer.write_now(
             entries
         ):
@@ -764,11 +770,18 @@ class Callee:
         self._respond_error(session, call_id, function, exc)
 
     def _answer_on_completion(
-        self, session: InboundSession, call_id: int, function: str, result: Future[Any]
+        self,
+        session: InboundSession,
+        call_id: int,
+        function: str,
+        result: Future[Any],
+        from_any_thread: bool = False,
     ) -> None:
         """Answer an ``async_execution`` call once the rpcdist Future it returned completes,
         from that completion (on the loop: the answer to a call it made, typically) rather than
-        a task: no wake-up of the loop to start waiting, no task per call."""
+        a task: no wake-up of the loop to start waiting, no task per call.
+        ``from_any_thread`` (rpcdist's own handlers): a value completed on another thread (the
+        pool thread that made an RRef's value) is answered right there, without the loop."""
         agent = self.agent
         answer = _AwaitedAnswer(session, call_id)
         session.track(call_id, answer)  # (a CANCEL, or the session's end, drops it)
@@ -790,6 +803,9 @@ class Callee:
             try:
                 if threading.get_ident() == agent.loop_thread_id:
                     within.run(respond)
+                elif from_any_thread and result.exception() is None:
+                    if not answer.cancelled:
+                        within.run(self._answer_here, session, call_id, function, result.value())
                 else:
                     agent.inbox.post(lambda: within.run(respond), sends=False)
             except Exception:  # noqa: BLE001 - never into whoever completed the future

@@ -318,9 +318,13 @@ class Agent:
         """Unpickle a message from a peer (restricted when the options say so)."""
         return serialization.loads(payload, buffers, self.options.restricted, self.allowed)
 
-    def start_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
+    def start_user_function(
+        self, func: Callable[..., Any], args: Any, kwargs: Any, made: Callable[[Any], None] | None = None
+    ) -> asyncio.Future[Any]:
         """Start a user function the way calls run (``async def`` on the loop, others on the
         pool, in the current contextvars context); returns a future of its result. Loop only.
+        ``made``: see ``_on_pool`` (a plain function's, or the one an inline handler runs as
+        the call: ``RunAsCall``).
 
         Inside a call whose arguments await their owners' confirmation (``confirmation_gate``),
         the function starts once they have arrived."""
@@ -335,16 +339,20 @@ class Agent:
                 done.set_exception(exc)
                 return done
             if isinstance(result, RunAsCall):
-                return self.start_user_function(*result)
+                return self.start_user_function(*result, made=made)
             if isinstance(result, asyncio.Future):
                 return result
             done.set_result(result)
             return done
-        return self._on_pool(func, args, kwargs)
+        return self._on_pool(func, args, kwargs, made)
 
-    async def run_user_function(self, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    async def run_user_function(
+        self, func: Callable[..., Any], args: Any, kwargs: Any, made: Callable[[Any], None] | None = None
+    ) -> Any:
         """Run a user function the way calls run: ``async def`` on the loop, others on the pool
-        (after the confirmations the call waits for, if any: see ``start_user_function``)."""
+        (after the confirmations the call waits for, if any: see ``start_user_function``).
+        ``made(result)``: run on the pool thread once a plain function has returned a result
+        that needs no awaiting, before the loop learns it (see ``_on_pool``)."""
         gate = confirmation_gate.get()
         if gate is not None:
             await gate  # raises the gate's error: the function does not run
@@ -352,15 +360,19 @@ class Agent:
         if inspect.iscoroutinefunction(func):
             result = await func(*args, **kwargs)
         elif is_inline(func):
-            result = await self.start_user_function(func, args, kwargs)
+            result = await self.start_user_function(func, args, kwargs, made)
         else:
-            result = await self._on_pool(func, args, kwargs)
+            result = await self._on_pool(func, args, kwargs, None if is_async_execution(func) else made)
         if is_async_execution(func) or inspect.isawaitable(result):
             result = await awaitable(result)
         return result
 
-    def _on_pool(self, func: Callable[..., Any], args: Any, kwargs: Any) -> asyncio.Future[Any]:
-        """Run a blocking function on the worker pool (keeping the current contextvars)."""
+    def _on_pool(
+        self, func: Callable[..., Any], args: Any, kwargs: Any, made: Callable[[Any], None] | None = None
+    ) -> asyncio.Future[Any]:
+        """Run a blocking function on the worker pool (keeping the current contextvars).
+        ``made(result)`` runs on that thread first, if the result needs no awaiting: whoever
+        waits there for it (an RRef's fetch) is answered without waking the loop."""
         done = self.loop.create_future()
 
         def run() -> None:
@@ -369,6 +381,11 @@ class Agent:
             except BaseException as exc:  # noqa: BLE001
                 self.inbox.post(lambda e=exc: done.done() or done.set_exception(e))
                 return
+            if made is not None and not inspect.isawaitable(result):
+                try:
+                    made(result)
+                except Exception:  # noqa: BLE001 - the loop still settles the result below
+                    log.exception("%s: answering the waiters of a result failed", self.info.name)
             self.inbox.post(lambda: done.done() or done.set_result(result))
 
         self.pool.submit(functools.partial(contextvars.copy_context().run, run))

@@ -111,7 +111,7 @@ def _agent() -> Agent:
 
 
 class _OwnerEntry:
-    __slots__ = ("value", "holders", "local_refs")
+    __slots__ = ("value", "holders", "local_refs", "waiters")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.value: asyncio.Future[Any] = loop.create_future()
@@ -119,6 +119,33 @@ class _OwnerEntry:
         # goes; below 0 while an uncounting overtook its count, which keeps the value: safe)
         self.holders: dict[int, int] = {}
         self.local_refs = 0
+        # Fetches waiting for a value still being made (None: none yet), answered by the pool
+        # thread that makes it (see made; then _MADE). Each also waits on ``value``, which the
+        # loop sets: a fetch that came too late for this list, a failure, another way of making.
+        self.waiters: list[Future[Any]] | None = None
+
+    def wait(self) -> Future[Any]:
+        """A Future of the value (still being made), from whichever settles it first: the
+        thread that makes it, or the loop (any thread; ``value`` is not done yet)."""
+        waiter: Future[Any] = Future()
+        waiters = self.waiters
+        if waiters is None:
+            self.waiters = [waiter]
+        elif waiters is not _MADE:
+            waiters.append(waiter)
+        return waiter
+
+    def made(self, value: Any) -> None:
+        """On the pool thread that made the value, before the loop learns it: the fetches that
+        wait for it are answered from there (a wake-up of the loop fewer before the answer)."""
+        waiters, self.waiters = self.waiters, _MADE
+        if waiters is not None and waiters is not _MADE:
+            for waiter in waiters:
+                waiter._try_complete(value, None)
+
+
+_MADE: list[Future[Any]] = []
+"""``_OwnerEntry.waiters`` once the value's maker has answered them (never appended to)."""
 
 
 class RRefContext:
@@ -711,8 +738,21 @@ def _copy_outcome(source: asyncio.Future[Any], target: asyncio.Future[Any]) -> N
 @trust
 @inline
 def _fetch(rref_id: RRefId) -> Any:
-    """On the owner: the value of ``rref_id`` once it exists."""
-    return _when_owned(rref_id, lambda value: value)
+    """On the owner: the value of ``rref_id`` once it exists (a Future of it while it is being
+    made: answered by the thread that makes it, see ``_OwnerEntry.made``)."""
+    entry = _context().entry(rref_id)
+    if entry.value.done():
+        return _value_or_copy_of_error(entry.value)
+    waiter = entry.wait()
+    entry.value.add_done_callback(lambda value: _settle_waiter(waiter, value))
+    return waiter
+
+
+def _settle_waiter(waiter: Future[Any], value: asyncio.Future[Any]) -> None:
+    try:
+        waiter._try_complete(_value_or_copy_of_error(value), None)
+    except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
+        waiter._try_complete(None, exc)
 
 
 @trust
@@ -724,26 +764,22 @@ def _fetch_owned(rref_id: RRefId) -> Future[Any]:
     loop. ``async_execution``: the callee answers with the Future's outcome. ``prompt``: it
     takes no place in the worker pool (read on the link, the loop runs it), so user functions
     blocked on the pool cannot hold up the fetch of a value one of them may be waiting for."""
-    done: Future[Any] = Future()
-
-    def settle(value: asyncio.Future[Any]) -> None:
-        try:
-            done._try_complete(_value_or_copy_of_error(value), None)
-        except BaseException as exc:  # noqa: BLE001 - the creation's error, for the caller
-            done._try_complete(None, exc)
+    entry = _context().owned.get(rref_id)
+    if entry is not None and entry.value.done():
+        done: Future[Any] = Future()
+        _settle_waiter(done, entry.value)
+        return done
+    # (an entry not made yet: the loop makes it, and the fetch waits there)
+    done = entry.wait() if entry is not None else Future()
 
     def watch() -> None:  # on the loop (which makes the owner's entries)
         value = _context().entry(rref_id).value
         if value.done():
-            settle(value)
+            _settle_waiter(done, value)
         else:
-            value.add_done_callback(settle)
+            value.add_done_callback(lambda value: _settle_waiter(done, value))
 
-    entry = _context().owned.get(rref_id)
-    if entry is not None and entry.value.done():
-        settle(entry.value)
-    else:
-        _agent().on_loop(watch, sends=False)
+    _agent().on_loop(watch, sends=False)
     return done
 
 
@@ -862,7 +898,13 @@ def _create(
     context = _context()
     if creator >= 0:
         context.count_holder(rref_id, creator)
-    return context.agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout))
+    agent = context.agent
+    started = None
+    if confirmation_gate.get() is None:
+        # Started now (a plain function handed to the pool), not at the task's first step, a
+        # turn of the loop later: the fetch that usually follows waits for it.
+        started = agent.start_user_function(func, args, kwargs, made=context.entry(rref_id).made)
+    return agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout, started))
 
 
 async def _run_create(
@@ -872,11 +914,19 @@ async def _run_create(
     args: Any,
     kwargs: Any,
     timeout: float = 0.0,
+    started: asyncio.Future[Any] | None = None,
 ) -> None:
+    """Run ``func`` (or await ``started``, its run begun already) and keep its result (or its
+    error) as the value of ``rref_id``."""
     agent = context.agent
     entry = context.entry(rref_id)
     try:
-        value = await agent.run_user_function(func, args, kwargs)
+        if started is None:
+            value = await agent.run_user_function(func, args, kwargs, made=entry.made)
+        else:
+            value = await started
+            if inspect.isawaitable(value):  # (as run_user_function: a plain function's awaitable)
+                value = await value
     except BaseException as exc:
         if not entry.value.done():
             if isinstance(exc, asyncio.CancelledError):
