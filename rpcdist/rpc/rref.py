@@ -899,12 +899,16 @@ def _create(
     if creator >= 0:
         context.count_holder(rref_id, creator)
     agent = context.agent
+    # The pool thread that makes the value answers the creator's fetch itself when the creator
+    # is co-located (it reads the answer on a reply channel). Over gRPC its answer would only
+    # go out through the loop anyway, in a frame of its own ahead of the creation's answer.
+    made = context.entry(rref_id).made if creator >= 0 and agent.transport.on_unix_socket(creator) else None
     started = None
     if confirmation_gate.get() is None:
         # Started now (a plain function handed to the pool), not at the task's first step, a
         # turn of the loop later: the fetch that usually follows waits for it.
-        started = agent.start_user_function(func, args, kwargs, made=context.entry(rref_id).made)
-    return agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout, started))
+        started = agent.start_user_function(func, args, kwargs, made=made)
+    return agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout, started, made))
 
 
 async def _run_create(
@@ -915,14 +919,15 @@ async def _run_create(
     kwargs: Any,
     timeout: float = 0.0,
     started: asyncio.Future[Any] | None = None,
+    made: Callable[[Any], None] | None = None,
 ) -> None:
     """Run ``func`` (or await ``started``, its run begun already) and keep its result (or its
-    error) as the value of ``rref_id``."""
+    error) as the value of ``rref_id``; ``made``: see ``Agent.run_user_function``."""
     agent = context.agent
     entry = context.entry(rref_id)
     try:
         if started is None:
-            value = await agent.run_user_function(func, args, kwargs, made=entry.made)
+            value = await agent.run_user_function(func, args, kwargs, made=made)
         else:
             value = await started
             if inspect.isawaitable(value):  # (as run_user_function: a plain function's awaitable)

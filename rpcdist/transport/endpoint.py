@@ -386,6 +386,12 @@ class Transport(LinkHandler):
         peer = self.peers.get(rank)
         return peer is not None and peer.colocated
 
+    def on_unix_socket(self, rank: int) -> bool:
+        """Whether the link with ``rank`` is (or will be) a Unix socket, which threads write to
+        directly and whose calls may name reply channels (see :meth:`link`)."""
+        peer = self.peers.get(rank)
+        return peer is not None and bool(peer.unix_path) and peer.colocated and self._unix_sockets
+
     # ------------------------------------------------------------------ links
     def link(self, rank: int) -> Link:
         """The outgoing link to ``rank``, connecting on first use (raises KeyError if unknown)."""
