@@ -119,6 +119,22 @@ def whoami() -> str:
     return rpc.get_worker_info().name
 
 
+ran_while_closing: list[str] = []
+
+
+def closing_for(seconds: float) -> None:
+    """This worker's agent reads as shutting down for ``seconds`` (the window of a shutdown in
+    which a peer's link is still open), then as running again."""
+    agent = rpc_api.current_agent()
+    agent.closing = True
+    threading.Timer(seconds, setattr, (agent, "closing", False)).start()
+
+
+def note_run(key: str) -> str:
+    ran_while_closing.append(key)
+    return key
+
+
 _notices: list[Any] = []
 
 

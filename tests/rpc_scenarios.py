@@ -1283,8 +1283,22 @@ def shutdown_graceful(rank: int, world_size: int, init_method: str, workdir: str
 
 
 def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: str) -> None:
-    """Both workers leave with shutdown(graceful=False); rank 1 has a call outstanding."""
+    """Both workers leave with shutdown(graceful=False); rank 1 has a call outstanding. First,
+    a request reaching a worker that is shutting down (its link still open) is refused."""
     init(rank, world_size, init_method)
+    if rank == 1:
+        with check("nongraceful/refused_while_closing") as c:
+            rpc.rpc_sync("w0", rf.closing_for, (3.0,), timeout=CALL_TIMEOUT)
+            with raises(RpcError) as r:
+                rpc.rpc_sync("w0", rf.note_run, ("while closing",), timeout=CALL_TIMEOUT)
+            c.value = str(r.value)
+            assert "w0 is shutting down" in str(r.value) and "was not run" in str(r.value), r.value
+            wait_until(lambda: _answers("w0"), 30, "w0 to take calls again")
+            assert rpc.rpc_sync("w0", rf.note_run, ("after",), timeout=CALL_TIMEOUT) == "after"
+    else:
+        with check("nongraceful/refused_while_closing/callee"):
+            wait_until(lambda: "after" in rf.ran_while_closing, 60, "the call made after the window")
+            assert rf.ran_while_closing == ["after"], rf.ran_while_closing
     if rank == 0:
         with check("nongraceful/callee"):
             rf.wait_started(30)
@@ -1302,6 +1316,14 @@ def shutdown_nongraceful(rank: int, world_size: int, init_method: str, workdir: 
     with check(f"nongraceful/after/{rank}"):
         with raises(RpcError):
             rpc.rpc_sync(0, rf.whoami)
+
+
+def _answers(worker: str) -> bool:
+    try:
+        return rpc.rpc_sync(worker, rf.whoami, timeout=CALL_TIMEOUT) == worker
+    except RpcError:
+        time.sleep(0.25)  # (each refusal is logged there)
+        return False
 
 
 # ---------------------------------------------------------------------------- a worker dies

@@ -43,6 +43,11 @@ def test_graceful_shutdown_leaves_only_main_thread(graceful: GroupRun) -> None:
     graceful.assert_clean_exit(strict_threads=True)
 
 
+def test_request_to_a_worker_shutting_down_is_refused(nongraceful: GroupRun) -> None:
+    assert "is shutting down" in nongraceful.check("nongraceful/refused_while_closing", rank=1)
+    nongraceful.check("nongraceful/refused_while_closing/callee", rank=0)
+
+
 def test_nongraceful_shutdown_fails_outstanding_call(nongraceful: GroupRun) -> None:
     nongraceful.check("nongraceful/callee", rank=0)
     nongraceful.check("nongraceful/caller", rank=1)

@@ -207,7 +207,7 @@ class ChannelCalls:
         callee = self.callee
         agent = callee.agent
         timeout = header.timeout_seconds
-        if callee.early or metrics.current is not None or isinstance(buffers, Exception):
+        if callee.early or metrics.current is not None or isinstance(buffers, Exception) or agent.closing:
             agent.on_loop(lambda: callee.on_request(session, header, buffers), sends=False)
             return
         if header.caller_rank != session.caller_rank:
@@ -407,6 +407,16 @@ class Callee:
         function = header.function
         if header.caller_rank != session.caller_rank:
             session.identify(header.caller_rank)
+        if self.agent.closing:
+            # A link that is still open (its socket goes with the process) may carry one more
+            # request: it is refused, never run by a worker whose calls have all been failed.
+            self._respond_error(
+                session,
+                call_id,
+                function,
+                RpcError(f"worker {self.agent.info.name} is shutting down: {function} was not run"),
+            )
+            return
         if metrics.current is not None:
             session.arrivals[call_id] = time.perf_counter()
         if header.reply_channel:
