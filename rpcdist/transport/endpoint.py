@@ -388,7 +388,7 @@ class Transport(LinkHandler):
 
     def on_unix_socket(self, rank: int) -> bool:
         """Whether the link with ``rank`` is (or will be) a Unix socket, which threads write to
-        directly and whose calls may name reply channels (see :meth:`link`)."""
+        directly and whose calls may name reply channels (:meth:`link` chooses by it)."""
         peer = self.peers.get(rank)
         return peer is not None and bool(peer.unix_path) and peer.colocated and self._unix_sockets
 
@@ -400,7 +400,7 @@ class Transport(LinkHandler):
             if self._closed:
                 raise ConnectionError(f"transport of {self.name} is closed")
             peer = self.peers[rank]
-            if peer.unix_path and peer.colocated and self._unix_sockets:
+            if self.on_unix_socket(rank):
                 link = UnixLink(self, peer, peer.unix_path, self.security)
             elif peer.tcp_address and self._tcp_links:
                 link = TcpLink(self, peer, peer.tcp_address, self.security)
