@@ -732,6 +732,22 @@ def _cleanup() -> None:
         c.value = asked_by_w2
         assert asked_by_w2 == before["w1"], f"w1 holds {asked_by_w2} contexts, {before['w1']} before"
 
+    with check("cleanup/releases_keep_pace_with_a_loop_that_never_leaves_a_context") as c:
+        # A training loop whose every call is made inside a context: each release is encoded
+        # after the next step's first call and rides ahead of the call after, where the peer
+        # runs it once it has answered that call. So a peer never holds more than the current
+        # context and the one before, and the last goes out with the sweep.
+        before = context_counts()
+        held = []
+        for _ in range(60):
+            with dist_autograd.context() as cid:
+                out = rpc.rpc_sync("w1", af.forward, ("leak/b", a(x)), timeout=CALL_TIMEOUT)
+                dist_autograd.backward(cid, [out.sum()])
+                held.append(rpc.rpc_sync("w1", af.context_count, timeout=CALL_TIMEOUT) - before["w1"])
+        c.value = {"most_held_on_w1": max(held), "counts": wait_counts(before, timeout=3.0)}
+        assert max(held) <= 2, f"w1 held up to {max(held)} contexts of this loop: {held}"
+        assert held[-1] >= 1, f"the call in a context ran outside it: {held}"
+
     with check("cleanup/rpc_without_grad_tensors_in_context") as c:
         before = context_counts()
         with dist_autograd.context():

@@ -121,6 +121,10 @@ def test_a_context_release_travels_ahead_of_the_next_call_or_alone_within_a_swee
     main.check("cleanup/release_travels_ahead_of_the_next_call")
 
 
+def test_releases_keep_pace_with_a_loop_whose_calls_are_all_in_contexts(main: GroupRun) -> None:
+    main.check("cleanup/releases_keep_pace_with_a_loop_that_never_leaves_a_context")
+
+
 def test_no_context_leaked_by_rpcs_without_grad_tensors(main: GroupRun) -> None:
     main.check("cleanup/rpc_without_grad_tensors_in_context")
 

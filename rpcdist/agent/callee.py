@@ -27,6 +27,7 @@ from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirm
 from rpcdist.agent.markers import (
     RunAsCall,
     is_async_execution,
+    is_for_context,
     is_inline,
     is_prompt,
     runs_anywhere,
@@ -194,20 +195,34 @@ class ChannelCalls:
         )
         if session is None:  # its link ended, or the call timed out: nobody waits for it
             return
+        notices = []
         for env in envelopes:
             message = frames.collect(self.assemblies, env, max_bytes)
             if message is None:
                 raise frames.FrameError("a message on a reply channel comes whole, in one envelope")
             if env.kind == frames.NOTIFY:
-                callee.on_notice_here(session, *message)
+                notices.append(message)
             else:
-                self._request(session, *message)
+                self._request(session, *message, notices=notices)
 
-    def _request(self, session: InboundSession, header: Any, buffers: list[memoryview] | Exception) -> None:
+    def _request(
+        self,
+        session: InboundSession,
+        header: Any,
+        buffers: list[memoryview] | Exception,
+        notices: list[tuple[Any, Any]],
+    ) -> None:
+        """``notices``: those its caller deferred (contexts' releases), sent ahead of it. They
+        run before it, but after its answer when it runs here in its caller's extension state
+        (made inside a distributed autograd context) or is marked ``for_context`` (a backward
+        pass): a training step's calls then do not wait for the release of the step before
+        (nor for its graph to be freed), which nothing they do can depend on; a call made
+        outside any context still finds the release done."""
         callee = self.callee
         agent = callee.agent
         timeout = header.timeout_seconds
         if callee.early or metrics.current is not None or isinstance(buffers, Exception) or agent.closing:
+            self._notices(session, notices)
             agent.on_loop(lambda: callee.on_request(session, header, buffers), sends=False)
             return
         if header.caller_rank != session.caller_rank:
@@ -218,11 +233,15 @@ class ChannelCalls:
             with CollectingUnconfirmed() as unconfirmed:
                 func, args, kwargs, *state = agent.decode(header.payload, buffers)
         except Exception as exc:  # noqa: BLE001 - answered (from the loop, as every error)
+            self._notices(session, notices)
             error = _loading_error(exc)
             agent.on_loop(
                 lambda: callee._respond_error(answering, call_id, function, error, loading=True), sends=False
             )
             return
+        if unconfirmed or not runs_on_thread(func) or not (state or is_for_context(func)):
+            self._notices(session, notices)
+            notices = []
         if unconfirmed or not runs_on_thread(func):  # (not sent here by rpcdist's callers)
             agent.on_loop(
                 lambda: callee.decoded(answering, header, func, args, kwargs, state, unconfirmed),  # type: ignore[arg-type]
@@ -236,9 +255,11 @@ class ChannelCalls:
         run = functools.partial(self._run_here, answering, header, func, args, kwargs, run_in)
         if is_prompt(func):  # rpcdist's own, answered at once: no place in the pool needed
             run()
+            self._notices(session, notices)
             return
         pool = agent.pool
         if not pool.enter():  # as many calls run as the pool allows: queued there
+            self._notices(session, notices)
             # and the caller is told to send its next requests on its link for a while (see
             # caller.BUSY_CALLEE_SECONDS): under load, the loop and the pool serve them better.
             busy = [frames.encode_control(0, frames.REPLY_CHANNEL)]
@@ -250,6 +271,11 @@ class ChannelCalls:
             run()
         finally:
             pool.leave()
+        self._notices(session, notices)
+
+    def _notices(self, session: InboundSession, notices: list[tuple[Any, Any]]) -> None:
+        for header, buffers in notices:
+            self.callee.on_notice_here(session, header, buffers)
 
     def _run_here(
         self,

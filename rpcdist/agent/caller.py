@@ -33,7 +33,7 @@ from rpcdist import metrics, serialization
 from rpcdist._runtime import blocking_wait
 from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.extensions import run_undo
-from rpcdist.agent.markers import runs_on_thread
+from rpcdist.agent.markers import is_for_context, runs_on_thread
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.agent.threads import EmptyWaiter
 from rpcdist.errors import (
@@ -149,6 +149,9 @@ class Caller(LinkHandler):
         # Deferred notices (encoded entries), per peer rank: they go out ahead of the next
         # message to that peer, or with the next sweep (see notify's ``deferred``).
         self._deferred: dict[int, list[list[bytes | memoryview]]] = {}
+        # Deferred notices of threads not encoded yet (see notify's ``deferred``): each sends
+        # itself (into _deferred, or now) when called; see _settle_later.
+        self._later: list[Callable[[], Any]] = []
         self._idle = EmptyWaiter(self.pending)  # wait_idle() waits for the calls in flight
 
     # ------------------------------------------------------------------ sending
@@ -182,6 +185,8 @@ class Caller(LinkHandler):
         dest = agent.worker(to)
         name = function_name or serialization.check_importable(func)
         state = agent.extension.capture() if agent.extension is not None else None
+        if self._later and state is None and not is_for_context(func):  # (ahead of it: see notify)
+            self._settle_later()
         call_tuple: tuple[Any, ...] = (func, tuple(args or ()), dict(kwargs or {}))
         if state is not None:  # the callee runs in the caller's extension state
             call_tuple += (state,)
@@ -201,6 +206,8 @@ class Caller(LinkHandler):
                 self._start(call)
         elif not (waited and self._send_from_thread(call, pulled, pulled and runs_on_thread(func))):
             agent.inbox.post(lambda: self._start(call))
+        if self._later:  # (made in a context: encoded now, while this thread would wait)
+            self._settle_later()
         return future
 
     def _send_from_thread(self, call: OutgoingCall, pulled: bool = False, plain: bool = False) -> bool:
@@ -313,11 +320,13 @@ class Caller(LinkHandler):
         ]
         for call_id in expired:
             self._expire(call_id)
-        if self._deferred:
+        if self._deferred or self._later:
             self.flush_deferred()
         with self._lock:
-            self._sweeping = now - self._last_direct < SWEEP_LINGER_SECONDS or any(
-                call.deadline > 0 for call in list(self.pending.values())
+            self._sweeping = (
+                now - self._last_direct < SWEEP_LINGER_SECONDS
+                or bool(self._later or self._deferred)  # (kept by a thread since the flush)
+                or any(call.deadline > 0 for call in list(self.pending.values()))
             )
             if not self._sweeping:
                 return
@@ -332,6 +341,7 @@ class Caller(LinkHandler):
         track: bool = False,
         deferred: bool = False,
         plain: bool = False,
+        encode_now: bool = False,
     ) -> Future[None] | None:
         """Send ``func(*args)`` to ``to`` from any thread, expecting no answer (see
         ``Agent.notify``). Raises at once on bad input; a lost link drops it silently.
@@ -343,7 +353,12 @@ class Caller(LinkHandler):
         ``deferred`` (not with ``track``): from a thread other than the loop's, the notice may
         wait to go out ahead of the next message to ``to``, in the same write (within
         ``SWEEP_SECONDS`` at the latest): for a notice nobody waits for, such as a distributed
-        autograd context's release, which then costs the peer no wake-up of its own.
+        autograd context's release, which then costs the peer no wake-up of its own. With
+        ``plain``, it is not even encoded yet: that waits until the thread has sent its next
+        call made inside a context (the next training step's first) or for one (marked
+        ``for_context``: a backward pass), and so goes out with the call after, or ahead of
+        its next other call, or any notice, or with the sweep; the thread that leaves a context
+        does not pay for it (see ``_settle_later``). ``encode_now``: that delay is over.
 
         ``track``: return a Future that completes once the notice has been handed to the link's
         carrier (so a process may exit without losing it), or fails with WorkerUnavailableError
@@ -352,6 +367,13 @@ class Caller(LinkHandler):
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
         dest = agent.worker(to)
+        on_loop = threading.get_ident() == agent.loop_thread_id
+        if deferred and plain and not track and not on_loop and not encode_now:
+            send = functools.partial(self.notify, dest.id, func, tuple(args), function_name)
+            self._keep_for_later(functools.partial(send, deferred=True, plain=True, encode_now=True))
+            return None
+        if self._later and not encode_now:  # (in order: the notices deferred before go first)
+            self._settle_later()
         if plain:
             payload, buffers = pickle.dumps((func, tuple(args), {}), protocol=5), []
         else:
@@ -412,7 +434,7 @@ class Caller(LinkHandler):
                 return
             send()
 
-        if threading.get_ident() == agent.loop_thread_id:
+        if on_loop:
             if agent.inbox.pending:  # after the calls other threads submitted before it
                 agent.inbox.post(start)
             else:
@@ -459,6 +481,25 @@ class Caller(LinkHandler):
             self._agent.loop.call_soon_threadsafe(self._sweep)
         return True
 
+    def _keep_for_later(self, send: Callable[[], Any]) -> None:
+        with self._lock:
+            self._later.append(send)
+            wake_sweep = not self._sweeping
+            self._sweeping = True
+        if wake_sweep:
+            self._agent.loop.call_soon_threadsafe(self._sweep)
+
+    def _settle_later(self) -> None:
+        """Encode the deferred notices threads kept for later (any thread): into ``_deferred``,
+        or sent now when that cannot be (as ``notify`` does)."""
+        with self._lock:
+            later, self._later = self._later, []
+        for send in later:
+            try:
+                send()
+            except Exception as exc:  # noqa: BLE001 - a gone worker needs no notice
+                log.debug("deferred notice dropped: %s", exc)
+
     def _flush_deferred(self, link: Link) -> None:
         """Send the notices deferred for ``link``'s peer now, ahead of anything after (loop)."""
         with self._lock:
@@ -468,6 +509,8 @@ class Caller(LinkHandler):
 
     def flush_deferred(self) -> None:
         """Send every deferred notice now (loop): each sweep, and before the links close."""
+        if self._later:
+            self._settle_later()
         with self._lock:
             ranks = list(self._deferred)
         for rank in ranks:

@@ -22,6 +22,7 @@ TORCH_ASYNC_EXECUTION_ATTR = "_wrapped_async_rpc_function"  # torch's own marker
 INLINE_ATTR = "_rpcdist_inline"
 ANYWHERE_ATTR = "_rpcdist_anywhere"
 PROMPT_ATTR = "_rpcdist_prompt"
+FOR_CONTEXT_ATTR = "_rpcdist_for_context"
 
 
 def is_async_execution(fn: Any) -> bool:
@@ -96,6 +97,20 @@ def prompt(func: F) -> F:
 def is_prompt(fn: Any) -> bool:
     """Whether ``fn`` is a plain handler marked :func:`prompt`."""
     return bool(getattr(fn, PROMPT_ATTR, False))
+
+
+def for_context(func: F) -> F:
+    """Internal: mark one of rpcdist's own functions that works on the distributed autograd
+    context it is given (a backward pass, an optimizer step), as a call made inside a context
+    does: the releases of other contexts its caller deferred may go out after such a call and
+    run after it (see ``Caller.notify``'s ``deferred``), as nothing it does depends on them."""
+    setattr(func, FOR_CONTEXT_ATTR, True)
+    return func
+
+
+def is_for_context(fn: Any) -> bool:
+    """Whether ``fn`` is marked :func:`for_context`."""
+    return bool(getattr(fn, FOR_CONTEXT_ATTR, False))
 
 
 class RunAsCall(NamedTuple):

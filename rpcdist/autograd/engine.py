@@ -39,7 +39,7 @@ except ImportError:  # (a torch without it)
 
 from rpcdist._runtime import channel_thread
 from rpcdist.agent import current_agent
-from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR
+from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR, for_context
 from rpcdist.autograd import _contexts
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future, wait_all
@@ -288,6 +288,7 @@ async def _awaitable(future: Any) -> Any:
 
 
 @trust
+@for_context
 def backward_from_send(context_id: int, gradients: HandedBack, caller: int) -> Any:
     """On the worker that sent tensors (a pool thread): continue the backward pass from them,
     given (send id, gradient) for each. The local graph runs right on this thread, once for

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rpcdist.agent.markers import for_context
 from rpcdist.autograd import get_gradients
 from rpcdist.errors import RpcError
 from rpcdist.futures import Future, wait_all
@@ -69,6 +70,7 @@ def _new_local_optimizer(
 
 
 @trust
+@for_context
 def _step(key: int, context_id: int) -> None:
     """On the owner: step the local optimizer ``key`` with ``context_id``'s gradients."""
     local = _LocalOptimizer._live.get(key)
