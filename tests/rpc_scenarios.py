@@ -1036,6 +1036,33 @@ def _error_checks_rank0() -> None:  # noqa: C901 - a list of independent checks
         )
         assert qualified in full_text(r.value), full_text(r.value)
 
+    with check("bad/unimportable_function_remote_fails_while_the_fetch_is_sent"):
+        # The creation's failure may arrive while the thread calling to_here() is still sending
+        # the fetch (after it looked at the creation): the fetch must fail with it all the same,
+        # not wait for a value the owner never makes. The thread is made that slow here.
+        from rpcdist.agent import current_agent
+
+        agent = current_agent()
+        rref = rpc.remote("w1", secret, (5,))
+        creation = rref._confirmed
+        assert creation is not None and not creation.done(), "the creation was answered already"
+
+        def slow_submit(*args: Any, **kwargs: Any) -> Any:
+            deadline = time.monotonic() + CALL_TIMEOUT
+            while not creation.done() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return type(agent).submit(agent, *args, **kwargs)
+
+        agent.submit = slow_submit
+        try:
+            with raises(Exception) as r:  # noqa: B017 - the type is the callee's import error
+                rref.to_here(10)
+        finally:
+            del agent.submit
+        assert creation.done() and creation.exception() is not None
+        assert not isinstance(r.value, RpcTimeoutError), "to_here() waited for a value never made"
+        assert qualified in full_text(r.value), full_text(r.value)
+
     with check("bad/payload_result_too_large"):
         with raises(PayloadTooLargeError, match="max_payload_bytes") as r:
             rpc.rpc_sync("w1", rf.make_bytes, (2 << 20,), timeout=CALL_TIMEOUT)

@@ -85,6 +85,10 @@ def test_remote_of_function_the_callee_cannot_import(run: GroupRun) -> None:
     run.check("bad/unimportable_function_remote")
 
 
+def test_remote_failing_while_its_fetch_is_sent_fails_the_fetch(run: GroupRun) -> None:
+    run.check("bad/unimportable_function_remote_fails_while_the_fetch_is_sent")
+
+
 def test_payload_too_large_at_caller(run: GroupRun) -> None:
     run.check("bad/payload_caller", rank=1)
 

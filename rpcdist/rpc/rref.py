@@ -506,9 +506,11 @@ class RRef(Generic[T]):
                 waited=waited,
                 pulled=waited,
             )
-            if created is not None and not created.done():
+            if created is not None:
                 # If the creating call fails before the owner runs it (the function cannot be
-                # imported there, say), the fetch would wait for a value that never comes.
+                # imported there, say), the fetch would wait for a value that never comes. (Also
+                # when it failed since the check above: its answer may come while this thread
+                # sends the fetch, and the callback then runs at once.)
                 created.add_done_callback(
                     lambda c: c.exception() is not None and fetch._try_complete(None, c.exception())
                 )
