@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -93,7 +94,50 @@ def _local_gradients(
         grads = _engine_run_backward(
             tuple(outputs), tuple(grad_outputs), True, False, tuple(leaves), True, accumulate_grad=False
         )
-    return [(leaf, grad, False) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+    owned = _made_for_this_pass(grads, grad_outputs)
+    return [
+        (leaf, grad, mine) for leaf, grad, mine in zip(leaves, grads, owned, strict=True) if grad is not None
+    ]
+
+
+def _made_for_this_pass(grads: Sequence[torch.Tensor | None], given: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of the engine's results, whether the context may keep it without a copy (as
+    torch's gradient stealing does): a dense tensor in memory torch allocated, that no other
+    result and no gradient ``given`` to the pass shares, and that nothing else refers to: not a
+    tensor a backward function saved or returned from elsewhere, nor a view of one (the engine
+    hands many results over as views of a buffer made for them, such as a transposed product).
+    Each copy spared is an allocation and a copy of a parameter's size on the pass's path."""
+    storages = []
+    for grad in grads:
+        storages.append(_fresh_storage(grad) if grad is not None else 0)
+    taken = {grad.untyped_storage().data_ptr() for grad in given if grad.layout is torch.strided}
+    shared = collections.Counter(storages)
+    return [storage != 0 and storage not in taken and shared[storage] == 1 for storage in storages]
+
+
+def _fresh_storage(grad: torch.Tensor) -> int:
+    """Where ``grad``'s memory is, if only ``grad`` refers to it (see _made_for_this_pass); else 0.
+    The counts are those of a result of the engine that nothing else holds, here: the results'
+    tuple, the loop's name and the call's argument (``sys.getrefcount``); the tensor's own
+    reference to its base, and the base's Python object (``_use_count``)."""
+    if (
+        grad.layout is not torch.strided
+        or grad.requires_grad
+        or not grad.numel()
+        or grad._use_count() != 1  # (a saved tensor is held by its node too)
+        or sys.getrefcount(grad) != _RESULT_REFERENCES + 1
+    ):
+        return 0
+    if grad._base is not None and (
+        grad._base._use_count() != 2 or sys.getrefcount(grad._base) != _BASE_REFERENCES
+    ):
+        return 0
+    storage = grad.untyped_storage()
+    return storage.data_ptr() if storage.resizable() else 0  # (not memory from numpy, say)
+
+
+_RESULT_REFERENCES = 3
+_BASE_REFERENCES = 2
 
 
 def _buffer(grad: torch.Tensor) -> int:
