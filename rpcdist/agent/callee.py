@@ -701,6 +701,19 @@ class Callee:
             self._respond_error(session, call_id, function, exc)
             return
         if isinstance(result, RunAsCall):
+            gate = run_in.get(confirmation_gate) if run_in is not None else None
+            if gate is not None:  # (run_in is not None)
+                # It runs as a plain call once the arguments' owners have confirmed them (a pool
+                # thread answers it), not through a task that awaits them and hands it over.
+                run_in.run(confirmation_gate.set, None)  # type: ignore[union-attr]
+                session.track(call_id, gate)  # a CANCEL, or the session's end, cancels the wait
+                arrived = time.monotonic()
+                gate.add_done_callback(
+                    lambda done: self._after_gate(
+                        done, session, call_id, function, *result, run_in, timeout, arrived
+                    )
+                )
+                return
             self._dispatch(session, call_id, function, *result, run_in, timeout)
             return
         if isinstance(result, asyncio.Future):  # answer once it settles (e.g. a loan returned)

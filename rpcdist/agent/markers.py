@@ -117,7 +117,8 @@ class RunAsCall(NamedTuple):
     """What an :func:`inline` handler returns to have ``func(*args, **kwargs)`` run as the call
     it handles is run, exactly as if the caller had called ``func`` (a plain function on a pool
     thread that answers itself, ``async def`` on the loop, ...): an RRef's method called through
-    its proxy once the handler has found the value, without a hop back to the loop."""
+    its proxy once the handler has found the value, without a hop back to the loop (once the
+    RRefs in the call's arguments are confirmed, if it awaits that: ``confirmation_gate``)."""
 
     func: Callable[..., Any]
     args: tuple[Any, ...]

@@ -817,8 +817,9 @@ def _call_method(rref: RRef[Any], method: str, args: tuple[Any, ...], kwargs: di
     agent = _agent()
     _check_restricted(agent, method)
     entry = _context().entry(rref._id)
-    if entry.value.done() and confirmation_gate.get() is None:
-        # The usual case: the method runs as a plain call to it would (a pool thread answers).
+    if entry.value.done():
+        # The usual case: the method runs as a plain call to it would (a pool thread answers),
+        # once the RRefs in its arguments are confirmed if some are not yet (see RunAsCall).
         return RunAsCall(getattr(_value_or_copy_of_error(entry.value), method), args, kwargs)
     return _when_owned(
         rref._id, lambda value: agent.start_user_function(getattr(value, method), args, kwargs)
