@@ -1044,8 +1044,8 @@ def _error_checks_rank0() -> None:  # noqa: C901 - a list of independent checks
 
         agent = current_agent()
         rref = rpc.remote("w1", secret, (5,))
-        creation = rref._confirmed
-        assert creation is not None and not creation.done(), "the creation was answered already"
+        creation = rref._confirmed  # (its failure has almost always not arrived yet here)
+        assert creation is not None, "remote() has no creation to wait for"
 
         def slow_submit(*args: Any, **kwargs: Any) -> Any:
             deadline = time.monotonic() + CALL_TIMEOUT
