@@ -239,15 +239,16 @@ class ChannelCalls:
                 lambda: callee._respond_error(answering, call_id, function, error, loading=True), sends=False
             )
             return
-        if unconfirmed or not runs_on_thread(func) or not (state or is_for_context(func)):
-            self._notices(session, notices)
-            notices = []
         if unconfirmed or not runs_on_thread(func):  # (not sent here by rpcdist's callers)
+            self._notices(session, notices)
             agent.on_loop(
                 lambda: callee.decoded(answering, header, func, args, kwargs, state, unconfirmed),  # type: ignore[arg-type]
                 sends=False,
             )
             return
+        if not (state or is_for_context(func)):  # (a call outside any context finds them done)
+            self._notices(session, notices)
+            notices = []
         run_in = None
         if state and agent.extension is not None:  # run (and pickle the result) in the caller's state
             run_in = contextvars.copy_context()

@@ -369,8 +369,11 @@ class Caller(LinkHandler):
         dest = agent.worker(to)
         on_loop = threading.get_ident() == agent.loop_thread_id
         if deferred and plain and not track and not on_loop and not encode_now:
-            send = functools.partial(self.notify, dest.id, func, tuple(args), function_name)
-            self._keep_for_later(functools.partial(send, deferred=True, plain=True, encode_now=True))
+            send = functools.partial(
+                self.notify, dest.id, func, tuple(args), function_name, deferred=True, plain=True,
+                encode_now=True,
+            )
+            self._keep_for_sweep(lambda: self._later.append(send))
             return None
         if self._later and not encode_now:  # (in order: the notices deferred before go first)
             self._settle_later()
@@ -473,17 +476,14 @@ class Caller(LinkHandler):
         if self._direct_link(rank) is None:
             return False
         entries = list(encode())
-        with self._lock:
-            self._deferred.setdefault(rank, []).extend(entries)
-            wake_sweep = not self._sweeping
-            self._sweeping = True
-        if wake_sweep:
-            self._agent.loop.call_soon_threadsafe(self._sweep)
+        self._keep_for_sweep(lambda: self._deferred.setdefault(rank, []).extend(entries))
         return True
 
-    def _keep_for_later(self, send: Callable[[], Any]) -> None:
+    def _keep_for_sweep(self, keep: Callable[[], Any]) -> None:
+        """Run ``keep`` (it stores a notice the sweep sends if nothing takes it first) under the
+        lock, and start the sweep if it is not running."""
         with self._lock:
-            self._later.append(send)
+            keep()
             wake_sweep = not self._sweeping
             self._sweeping = True
         if wake_sweep:
