@@ -45,6 +45,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+EncodedAnswer = list[list[bytes | memoryview]]  # a message's envelopes, each a list of pieces
+
+ANSWERS_PER_THREAD_WRITE = 4
+"""Answers made on pool threads while other calls of the same caller run: once this many wait
+for the loop to write them, the thread that made the last one writes them all itself (see
+:meth:`InboundSession.answer_from_thread`)."""
+
 
 class InboundSession:
     """The callee's end of one caller's connection (a gRPC stream or a Unix socket)."""
@@ -67,6 +74,10 @@ class InboundSession:
         # link's): requests on the caller's reply channels wait for a count of them.
         self.envelopes = 0
         self.link_token = 0
+        # Answers pool threads made while other calls of this caller ran, not written yet:
+        # (call_id, function, encoded entries).
+        self._answers: list[tuple[int, str, EncodedAnswer]] = []
+        self._answers_lock = threading.Lock()
         callee.sessions.add(self)
 
     def on_frame(self, raw: bytes) -> None:
@@ -122,6 +133,50 @@ class InboundSession:
         """The call ended (any thread)."""
         self.running.pop(call_id, None)
         self._idle.wake_if_empty()
+
+    def answer_from_thread(self, call_id: int, function: str, entries: EncodedAnswer) -> None:
+        """Answer a call with its encoded ``entries`` from a pool thread while other calls of
+        this caller run here (any thread but the loop's).
+
+        The answer waits for the loop, which writes every answer waiting by then in one write
+        after its turn, unless it is the ``ANSWERS_PER_THREAD_WRITE``-th waiting: this thread
+        then writes them all itself, if the link takes them at once. Why not always the loop: a
+        pool thread that goes from one queued call to the next keeps the interpreter lock, so
+        the loop would write nothing before the whole burst had run, and the caller, which
+        gets every answer at once, would send its next burst only then (both workers idle
+        half the time, in turn). Why not always the thread: a write per answer costs both
+        workers a system call and a wake-up each, which a busy pair of workers feels."""
+        batch = None
+        with self._answers_lock:
+            self._answers.append((call_id, function, entries))
+            waiting = len(self._answers)
+            if waiting >= ANSWERS_PER_THREAD_WRITE:
+                batch, self._answers = self._answers, []
+        if batch is not None:
+            if self.writer.write_now([entry for _, _, answer in batch for entry in answer]):
+                for answered, _, _ in batch:
+                    self.untrack(answered)
+                if self.arrivals:  # metrics are on: counted on the loop
+                    self.callee.agent.inbox.post(lambda: self._served_all(batch), sends=False)
+                return
+            with self._answers_lock:  # (the link is busy: the loop writes them)
+                self._answers[:0] = batch
+        if waiting == 1 or batch is not None:
+            self.callee.agent.inbox.post(self._write_answers, sends=False)
+
+    def _write_answers(self) -> None:
+        """Queue every answer made on a thread that waits (loop only): they go out in one
+        write after this turn of the loop."""
+        with self._answers_lock:
+            batch, self._answers = self._answers, []
+        for call_id, _, entries in batch:
+            self.untrack(call_id)
+            self.respond(iter(entries))
+        self._served_all(batch)
+
+    def _served_all(self, batch: list[tuple[int, str, EncodedAnswer]]) -> None:
+        for call_id, function, _ in batch:
+            self.callee._served(self, call_id, function, True)
 
 
 class _AnsweredOnChannel:
@@ -797,14 +852,15 @@ class Callee:
         except BaseException as exc:  # noqa: BLE001
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e), sends=False)
             return
-        if (type(session) is _AnsweredOnChannel or len(session.running) == 1) and session.writer.write_now(
-            entries
-        ):
-            session.untrack(call_id)
-            if session.arrivals:  # metrics are on: counted on the loop
-                inbox.post(lambda: self._served(session, call_id, function, True), sends=False)
+        if type(session) is _AnsweredOnChannel or len(session.running) == 1:
+            if session.writer.write_now(entries):
+                session.untrack(call_id)
+                if session.arrivals:  # metrics are on: counted on the loop
+                    inbox.post(lambda: self._served(session, call_id, function, True), sends=False)
+                return
+            inbox.post(lambda: self._finish(session, call_id, function, iter(entries)), sends=False)
             return
-        inbox.post(lambda: self._finish(session, call_id, function, iter(entries)), sends=False)
+        session.answer_from_thread(call_id, function, entries)
 
     def _skip(self, session: InboundSession, call_id: int) -> None:
         session.untrack(call_id)
