@@ -52,7 +52,7 @@ def _session(loop: asyncio.AbstractEventLoop, link: _Link) -> InboundSession:
     agent = type("Agent", (), {})()
     agent.loop = loop
     agent.inbox = LoopInbox(loop)
-    callee = type("CalleeStub", (), {"_served": staticmethod(Callee._served)})()
+    callee = type("CalleeStub", (), {"_served": staticmethod(Callee._served), "_finish": Callee._finish})()
     callee.agent = agent
     callee.sessions = set()
     writer = FrameWriter(link.write, "test", direct=link.direct)

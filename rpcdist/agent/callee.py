@@ -169,10 +169,8 @@ class InboundSession:
         write after this turn of the loop."""
         with self._answers_lock:
             batch, self._answers = self._answers, []
-        for call_id, _, entries in batch:
-            self.untrack(call_id)
-            self.respond(iter(entries))
-        self._served_all(batch)
+        for call_id, function, entries in batch:
+            self.callee._finish(self, call_id, function, iter(entries))
 
     def _served_all(self, batch: list[tuple[int, str, EncodedAnswer]]) -> None:
         for call_id, function, _ in batch:
