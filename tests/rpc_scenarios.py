@@ -1705,3 +1705,18 @@ def _reply_channel_checks() -> None:  # noqa: C901 - a list of independent check
             rpc.rpc_sync("w1", rf.raise_value_error, ("bad value",), timeout=CALL_TIMEOUT)
         c.value = full_text(r.value)
         assert "raise_value_error" in c.value
+
+
+def at_the_calls_limit(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    """Both workers run with the same ``max_inflight_calls_per_peer`` (``opts``) and keep that
+    many calls in flight to each other: a caller that waits for a free place is never refused
+    by its callee (whose answers, written by its pool threads, may reach the caller before the
+    thread has counted the call as ended)."""
+    init(rank, world_size, init_method, **opts)
+    other = f"w{1 - rank}"
+    with check(f"limit/never_refused/{rank}") as c:
+        futures = [rpc.rpc_async(other, rf.add, (i, 1), timeout=CALL_TIMEOUT) for i in range(3000)]
+        results = [f.wait() for f in futures]
+        c.value = len(results)
+        assert results == [i + 1 for i in range(3000)]
+    finish(rank, world_size)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from pathlib import Path
 
 import pytest
+from _harness import run_group
 
 from rpcdist.agent import callee as callee_module
 from rpcdist.agent.callee import ANSWERS_PER_THREAD_WRITE, Callee, InboundSession
@@ -190,3 +192,16 @@ async def test_answers_are_counted_once_each_with_metrics_on(monkeypatch: pytest
             break
         await asyncio.sleep(0.01)
     assert len(served) == len(calls) and session.arrivals == {}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("limit", [4, 64])
+def test_a_caller_at_its_limit_is_never_refused(tmp_path: Path, limit: int) -> None:
+    """Two workers with the same limit of calls in flight per peer keep that many running on
+    each other (3,000 calls each way): the callee, answering from its pool threads, never
+    counts a call whose answer its caller already has."""
+    run = run_group(
+        tmp_path, "at_the_calls_limit", 2, "env", params={"max_inflight_calls_per_peer": limit}, timeout=150
+    )
+    run.check("limit/never_refused/0", rank=0)
+    run.check("limit/never_refused/1", rank=1)

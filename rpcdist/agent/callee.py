@@ -78,6 +78,9 @@ class InboundSession:
         # (call_id, function, encoded entries).
         self._answers: list[tuple[int, str, EncodedAnswer]] = []
         self._answers_lock = threading.Lock()
+        # Calls whose answers a thread is writing this moment (still in ``running``): the
+        # caller may have them already and send its next call before they are untracked.
+        self._being_answered = 0
         callee.sessions.add(self)
 
     def on_frame(self, raw: bytes) -> None:
@@ -134,6 +137,32 @@ class InboundSession:
         self.running.pop(call_id, None)
         self._idle.wake_if_empty()
 
+    def calls_running(self) -> int:
+        """How many calls of this caller run here, as the caller counts them: an answer a
+        thread is writing this moment no longer counts (the caller may have it already)."""
+        return len(self.running) - self._being_answered
+
+    def write_answers_now(self, call_ids: list[int], entries: EncodedAnswer) -> bool:
+        """Write answers from this thread (any but the loop's) if the link takes them at once,
+        and untrack their calls; False (nothing written, the calls still running) if not."""
+        return self.answers_written_now(self.writer, call_ids, entries)
+
+    def answers_written_now(self, writer: FrameWriter, call_ids: list[int], entries: EncodedAnswer) -> bool:
+        # Untracked only after the write (the session's end waits for its running calls, then
+        # closes the writer), yet not counted against the caller's limit meanwhile: its next
+        # call may arrive before this thread untracks (see calls_running).
+        with self._answers_lock:
+            self._being_answered += len(call_ids)
+        try:
+            written = writer.write_now(entries)
+            if written:
+                for call_id in call_ids:
+                    self.untrack(call_id)
+        finally:
+            with self._answers_lock:
+                self._being_answered -= len(call_ids)
+        return written
+
     def answer_from_thread(self, call_id: int, function: str, entries: EncodedAnswer) -> None:
         """Answer a call with its encoded ``entries`` from a pool thread while other calls of
         this caller run here (any thread but the loop's).
@@ -153,9 +182,8 @@ class InboundSession:
             if waiting >= ANSWERS_PER_THREAD_WRITE:
                 batch, self._answers = self._answers, []
         if batch is not None:
-            if self.writer.write_now([entry for _, _, answer in batch for entry in answer]):
-                for answered, _, _ in batch:
-                    self.untrack(answered)
+            answered = [call_id for call_id, _, _ in batch]
+            if self.write_answers_now(answered, [entry for _, _, answer in batch for entry in answer]):
                 if self.arrivals:  # metrics are on: counted on the loop
                     self.callee.agent.inbox.post(lambda: self._served_all(batch), sends=False)
                 return
@@ -192,6 +220,9 @@ class _AnsweredOnChannel:
 
     def respond(self, entries: Entries) -> None:
         self.writer.send(entries)
+
+    def write_answers_now(self, call_ids: list[int], entries: EncodedAnswer) -> bool:
+        return self._session.answers_written_now(self.writer, call_ids, entries)
 
     def divert(self, call_id: int) -> None:
         """Answer on the caller's link after all (the answer carries an RRef, which the caller
@@ -507,10 +538,11 @@ class Callee:
             if isinstance(buffers, Exception):
                 raise buffers
             limit = self.agent.options.max_inflight_calls_per_peer
-            if len(session.running) >= limit:
+            running = session.calls_running()
+            if running >= limit:
                 raise RpcError(
                     f"worker {self.agent.info.name} refused the call: caller rank {header.caller_rank} "
-                    f"already has {len(session.running)} calls running here "
+                    f"already has {running} calls running here "
                     f"(max_inflight_calls_per_peer={limit})"
                 )
             with CollectingUnconfirmed() as unconfirmed:
@@ -851,8 +883,7 @@ class Callee:
             inbox.post(lambda e=exc: self._finish_error(session, call_id, function, e), sends=False)
             return
         if type(session) is _AnsweredOnChannel or len(session.running) == 1:
-            if session.writer.write_now(entries):
-                session.untrack(call_id)
+            if session.write_answers_now([call_id], entries):
                 if session.arrivals:  # metrics are on: counted on the loop
                     inbox.post(lambda: self._served(session, call_id, function, True), sends=False)
                 return
