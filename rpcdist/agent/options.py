@@ -93,7 +93,8 @@ class RpcBackendOptions:
             mode (``"torch.add"``, ``"mypkg.model.forward"``), imported at ``init_rpc``.
         max_inflight_calls_per_peer: calls this worker keeps in flight to one peer; further
             calls wait, in order, until replies come back (their timeout runs meanwhile). A
-            callee refuses calls from a peer that already has more than this many running on it.
+            callee refuses a call from a peer that already has this many running on it (a call
+            whose answer is on its way no longer counts: the caller may have it already).
         auth_token: the job's shared secret: every store call and every link to a worker must
             carry it (default: ``RPCDIST_AUTH_TOKEN``, or the file ``RPCDIST_AUTH_TOKEN_FILE``;
             without either, a job whose store is on loopback gets a generated one). Never
