@@ -205,3 +205,24 @@ def test_a_caller_at_its_limit_is_never_refused(tmp_path: Path, limit: int) -> N
     )
     run.check("limit/never_refused/0", rank=0)
     run.check("limit/never_refused/1", rank=1)
+
+
+@pytest.mark.asyncio
+async def test_answers_being_written_no_longer_count_against_the_callers_limit() -> None:
+    """While a thread writes a batch of answers, its caller may read them and send its next
+    calls before the thread untracks them: the callee's count of that caller's running calls
+    (the one its limit checks) already leaves them out."""
+    link = _Link()
+    session = _session(asyncio.get_running_loop(), link)
+    seen: list[tuple[int, int]] = []
+
+    def accept() -> bool:  # (during the thread's write)
+        seen.append((session.calls_running(), len(session.running)))
+        return True
+
+    link.accept_direct = accept  # type: ignore[assignment]
+    for call_id in range(1, 11):
+        session.track(call_id, object())
+    _answer_holding_the_loop(session, list(range(1, ANSWERS_PER_THREAD_WRITE + 1)))
+    assert seen == [(10 - ANSWERS_PER_THREAD_WRITE, 10)]  # written before they are untracked
+    assert session.calls_running() == len(session.running) == 10 - ANSWERS_PER_THREAD_WRITE

@@ -145,9 +145,10 @@ class InboundSession:
     def write_answers_now(self, call_ids: list[int], entries: EncodedAnswer) -> bool:
         """Write answers from this thread (any but the loop's) if the link takes them at once,
         and untrack their calls; False (nothing written, the calls still running) if not."""
-        return self.answers_written_now(self.writer, call_ids, entries)
+        return self.write_answers_with(self.writer, call_ids, entries)
 
-    def answers_written_now(self, writer: FrameWriter, call_ids: list[int], entries: EncodedAnswer) -> bool:
+    def write_answers_with(self, writer: FrameWriter, call_ids: list[int], entries: EncodedAnswer) -> bool:
+        """:meth:`write_answers_now` on ``writer`` (a reply channel's, for its calls)."""
         # Untracked only after the write (the session's end waits for its running calls, then
         # closes the writer), yet not counted against the caller's limit meanwhile: its next
         # call may arrive before this thread untracks (see calls_running).
@@ -222,7 +223,7 @@ class _AnsweredOnChannel:
         self.writer.send(entries)
 
     def write_answers_now(self, call_ids: list[int], entries: EncodedAnswer) -> bool:
-        return self._session.answers_written_now(self.writer, call_ids, entries)
+        return self._session.write_answers_with(self.writer, call_ids, entries)
 
     def divert(self, call_id: int) -> None:
         """Answer on the caller's link after all (the answer carries an RRef, which the caller
