@@ -50,14 +50,15 @@ class _Link:
         return [i for frame in self.by_loop + self.by_thread for i in frame]
 
 
-def _session(loop: asyncio.AbstractEventLoop, link: _Link) -> InboundSession:
+def _session(loop: asyncio.AbstractEventLoop, link: _Link, thread_writes: bool = True) -> InboundSession:
+    """A session on ``link``; ``thread_writes=False``: a link only the loop writes (gRPC's)."""
     agent = type("Agent", (), {})()
     agent.loop = loop
     agent.inbox = LoopInbox(loop)
     callee = type("CalleeStub", (), {"_served": staticmethod(Callee._served), "_finish": Callee._finish})()
     callee.agent = agent
     callee.sessions = set()
-    writer = FrameWriter(link.write, "test", direct=link.direct)
+    writer = FrameWriter(link.write, "test", direct=link.direct if thread_writes else None)
     return InboundSession(callee, writer)  # type: ignore[arg-type]
 
 
@@ -226,3 +227,24 @@ async def test_answers_being_written_no_longer_count_against_the_callers_limit()
     _answer_holding_the_loop(session, list(range(1, ANSWERS_PER_THREAD_WRITE + 1)))
     assert seen == [(10 - ANSWERS_PER_THREAD_WRITE, 10)]  # written before they are untracked
     assert session.calls_running() == len(session.running) == 10 - ANSWERS_PER_THREAD_WRITE
+
+
+@pytest.mark.asyncio
+async def test_on_a_link_only_the_loop_writes_every_answer_waits_for_the_loop() -> None:
+    """gRPC's stream takes writes from the loop only: a thread never tries one, and however
+    many answers wait, the loop writes them together, once."""
+    link = _Link()
+    session = _session(asyncio.get_running_loop(), link, thread_writes=False)
+    inbox = session.callee.agent.inbox
+    posted: list[object] = []
+    post = inbox.post
+    inbox.post = lambda item, **kw: (posted.append(item), post(item, **kw))  # type: ignore[method-assign]
+    calls = list(range(1, 3 * ANSWERS_PER_THREAD_WRITE + 1))
+    for call_id in calls:
+        session.track(call_id, object())
+    _answer_holding_the_loop(session, calls)
+    assert len(posted) == 1  # one flush for the whole burst
+    assert session.calls_running() == len(calls)  # nothing written yet
+    await _settled(session, link, len(calls))
+    assert link.by_thread == [] and link.by_loop == [calls]
+    assert session.running == {}

@@ -175,12 +175,14 @@ class InboundSession:
         the loop would write nothing before the whole burst had run, and the caller, which
         gets every answer at once, would send its next burst only then (both workers idle
         half the time, in turn). Why not always the thread: a write per answer costs both
-        workers a system call and a wake-up each, which a busy pair of workers feels."""
+        workers a system call and a wake-up each, which a busy pair of workers feels. A link
+        only the loop may write (gRPC's stream) leaves every answer to the loop."""
         batch = None
+        thread_writes = self.writer.direct is not None
         with self._answers_lock:
             self._answers.append((call_id, function, entries))
             waiting = len(self._answers)
-            if waiting >= ANSWERS_PER_THREAD_WRITE:
+            if waiting >= ANSWERS_PER_THREAD_WRITE and thread_writes:
                 batch, self._answers = self._answers, []
         if batch is not None:
             answered = [call_id for call_id, _, _ in batch]
