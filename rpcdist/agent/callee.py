@@ -152,6 +152,8 @@ class InboundSession:
         # Untracked only after the write (the session's end waits for its running calls, then
         # closes the writer), yet not counted against the caller's limit meanwhile: its next
         # call may arrive before this thread untracks (see calls_running).
+        if writer.direct is None:  # (a link only the loop writes, gRPC's: no locks for nothing)
+            return False
         with self._answers_lock:
             self._being_answered += len(call_ids)
         try:
