@@ -26,6 +26,8 @@ from rpcdist.agent.codec import describe_error
 from rpcdist.agent.extensions import CollectingUnconfirmed, Unconfirmed, confirmation_gate
 from rpcdist.agent.markers import (
     RunAsCall,
+    ValueAnswer,
+    ValueNotSent,
     is_async_execution,
     is_for_context,
     is_inline,
@@ -33,6 +35,7 @@ from rpcdist.agent.markers import (
     runs_anywhere,
     runs_as_coroutine,
     runs_on_thread,
+    with_value_variant,
 )
 from rpcdist.agent.threads import EmptyWaiter, settle
 from rpcdist.errors import RpcError, RpcTimeoutError, SerializationError
@@ -321,6 +324,8 @@ class ChannelCalls:
         try:
             with CollectingUnconfirmed() as unconfirmed:
                 func, args, kwargs, *state = agent.decode(header.payload, buffers)
+            if header.with_value:
+                func = with_value_variant(func, function)
         except Exception as exc:  # noqa: BLE001 - answered (from the loop, as every error)
             self._notices(session, notices)
             error = _loading_error(exc)
@@ -552,6 +557,8 @@ class Callee:
                 )
             with CollectingUnconfirmed() as unconfirmed:
                 func, args, kwargs, *state = self.agent.decode(header.payload, buffers)
+            if header.with_value:
+                func = with_value_variant(func, function)
         except Exception as exc:
             self._respond_error(session, call_id, function, _loading_error(exc), loading=True)
             return
@@ -985,11 +992,29 @@ class Callee:
 
     def _respond(self, session: InboundSession, call_id: int, function: str, result: Any) -> None:
         try:
-            session.respond(self._encode_result(session, call_id, function, result))
+            if type(result) is ValueAnswer:
+                entries = self._encode_value_answer(session, call_id, function, result)
+            else:
+                entries = self._encode_result(session, call_id, function, result)
+            session.respond(entries)
         except BaseException as exc:  # noqa: BLE001
             self._respond_error(session, call_id, function, exc)
             return
         self._served(session, call_id, function, True)
+
+    def _encode_value_answer(
+        self, session: InboundSession, call_id: int, function: str, answer: ValueAnswer
+    ) -> Entries:
+        """The answer of a with-value call: its value, or, if that cannot be pickled, the error
+        as a :class:`ValueNotSent` (in the words a separate fetch of the value would have had:
+        the call itself succeeded)."""
+        try:
+            return self._encode_result(session, call_id, function, answer.value)
+        except Exception as exc:  # noqa: BLE001 - the caller's fetch raises it
+            log.warning("%s: %s failed: %s: %s", self.agent.info.name, answer.fetch, type(exc).__name__, exc)
+            payload, buffers = describe_error(self.agent.info.name, answer.fetch, exc)
+            not_sent = ValueNotSent(bytes(payload), [bytes(b) for b in buffers])
+            return self._encode_result(session, call_id, function, not_sent)
 
     def _respond_error(
         self, session: InboundSession, call_id: int, function: str, exc: BaseException, loading: bool = False

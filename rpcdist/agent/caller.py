@@ -100,6 +100,8 @@ class OutgoingCall:
         "metric",
         "deadline",
         "channel",
+        "asks_value",
+        "with_value",
     )
 
     def __init__(
@@ -126,6 +128,10 @@ class OutgoingCall:
         self.metric: metrics.CallTimer | None = None  # set while metrics are on
         self.deadline = 0.0  # time.monotonic() it times out at, when the sweep keeps its timeout
         self.channel: ReplyChannel | None = None  # where its waiting thread reads the answer
+        # Asked once, when the call is first encoded: whether the answer should carry the value
+        # the call makes (an RRef's creation, see Caller.submit); the answer is with_value.
+        self.asks_value: Callable[[], bool] | None = None
+        self.with_value = False
 
 
 class Caller(LinkHandler):
@@ -166,6 +172,7 @@ class Caller(LinkHandler):
         function_name: str | None = None,
         waited: bool = False,
         pulled: bool = False,
+        asks_value: Callable[[], bool] | None = None,
     ) -> Future[Any]:
         """Send a call from any thread; returns its Future. Raises at once on bad input.
 
@@ -178,7 +185,11 @@ class Caller(LinkHandler):
         ``pulled`` (with ``waited``): the calling thread calls the Future's ``wait()`` next
         (or ``futures.wait_all`` with it), and nothing else waits for it: a co-located
         callee may then answer on a reply channel this thread reads itself in ``wait()``
-        (see ``rpcdist.transport.reply_channel``). Never for a Future that reaches users."""
+        (see ``rpcdist.transport.reply_channel``). Never for a Future that reaches users.
+
+        ``asks_value``: called once, when the call is encoded (on whichever thread sends it);
+        True asks the callee for the function's variant that answers with the value it makes
+        (``Envelope.with_value``: an RRef's creation carrying a ``to_here()`` that came first)."""
         agent = self._agent
         if agent.closing:
             raise RpcError(f"worker {agent.info.name} is shut down; call init_rpc first")
@@ -198,6 +209,7 @@ class Caller(LinkHandler):
         future: Future[Any] = Future(loop=agent.loop)
         call = OutgoingCall(dest, name, payload, buffers, timeout, future)
         call.undo = undo
+        call.asks_value = asks_value
         call.shared = agent.transport.share(dest.id, buffers, call.lent)
         if threading.get_ident() == agent.loop_thread_id:
             if agent.inbox.pending:  # behind calls other threads submitted earlier: order holds
@@ -561,6 +573,9 @@ class Caller(LinkHandler):
         self, call: OutgoingCall, reply_channel: int = 0, link_token: int = 0, link_envelopes: int = 0
     ) -> Any:
         agent = self._agent
+        if call.asks_value is not None:  # (decided at the first encoding, kept if sent again)
+            call.with_value = call.asks_value()
+            call.asks_value = None
         return frames.encode_message(
             call.call_id,
             frames.REQUEST,
@@ -574,6 +589,7 @@ class Caller(LinkHandler):
             reply_channel=reply_channel,
             link_token=link_token,
             link_envelopes=link_envelopes,
+            with_value=call.with_value,
         )
 
     def _send(self, link: Link, call: OutgoingCall) -> None:

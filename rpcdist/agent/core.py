@@ -232,15 +232,24 @@ class Agent:
         function_name: str | None = None,
         waited: bool = False,
         pulled: bool = False,
+        asks_value: Callable[[], bool] | None = None,
     ) -> Future[Any]:
         """Call ``func(*args, **kwargs)`` on ``to`` from any thread; returns its Future.
 
         ``timeout`` in seconds (negative: the default ``rpc_timeout``, 0: none). Raises at
-        once on bad input (unknown worker, unpicklable arguments, too large). ``waited`` and
-        ``pulled``: see ``Caller.submit``.
+        once on bad input (unknown worker, unpicklable arguments, too large). ``waited``,
+        ``pulled`` and ``asks_value``: see ``Caller.submit``.
         """
         return self.caller.submit(
-            to, func, args, kwargs, timeout, function_name=function_name, waited=waited, pulled=pulled
+            to,
+            func,
+            args,
+            kwargs,
+            timeout,
+            function_name=function_name,
+            waited=waited,
+            pulled=pulled,
+            asks_value=asks_value,
         )
 
     def notify(

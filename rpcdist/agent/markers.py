@@ -15,6 +15,9 @@ import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
+from rpcdist.errors import RpcError
+from rpcdist.serialization import trust
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 ASYNC_EXECUTION_ATTR = "_rpcdist_async_execution"
@@ -123,3 +126,58 @@ class RunAsCall(NamedTuple):
     func: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+
+
+
+WITH_VALUE_ATTR = "_rpcdist_with_value"
+
+
+def answers_value_with(variant: Callable[..., Any]) -> Callable[[F], F]:
+    """Internal: mark one of rpcdist's own handlers as having ``variant``, which takes the same
+    arguments and answers with the value the call makes (as a :class:`ValueAnswer`); a request
+    whose ``Envelope.with_value`` is set runs it instead (an RRef's creation that a
+    ``to_here()`` rides on)."""
+
+    def mark(func: F) -> F:
+        setattr(func, WITH_VALUE_ATTR, variant)
+        return func
+
+    return mark
+
+
+def with_value_variant(fn: Any, function: str) -> Callable[..., Any]:
+    """The variant of ``fn`` that answers with its value (see :func:`answers_value_with`);
+    RpcError when it has none (a request may not ask that of any other function)."""
+    variant = getattr(fn, WITH_VALUE_ATTR, None)
+    if variant is None:
+        raise RpcError(f"{function} cannot answer with the value it makes (Envelope.with_value)")
+    return variant
+
+
+class ValueAnswer:
+    """What a with-value variant's call settles with: the callee answers ``value`` itself. If
+    that cannot be pickled, it answers :class:`ValueNotSent` instead of an error: the call
+    succeeded (an RRef was created), only its value could not travel. ``fetch`` names, for that
+    error, what the caller asked the value with (``"RRef.to_here"``)."""
+
+    __slots__ = ("value", "fetch")
+
+    def __init__(self, value: Any, fetch: str) -> None:
+        self.value = value
+        self.fetch = fetch
+
+
+@trust
+class ValueNotSent:
+    """The answer of a with-value call whose value could not be pickled: the ERROR message a
+    separate fetch of the value would have had (``rpcdist.agent.codec.describe_error``), for
+    the caller to raise (``rpcdist.agent.codec.rebuild_error``)."""
+
+    __slots__ = ("payload", "buffers")
+
+    def __init__(self, payload: bytes, buffers: list[bytes]) -> None:
+        self.payload = payload
+        self.buffers = buffers
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ValueNotSent, (self.payload, self.buffers))

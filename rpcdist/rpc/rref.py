@@ -36,6 +36,7 @@ import inspect
 import itertools
 import logging
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -45,6 +46,7 @@ import torch
 
 from rpcdist import serialization
 from rpcdist._runtime import blocking_wait, current_loop
+from rpcdist.agent.codec import rebuild_error
 from rpcdist.agent.current import NO_AGENT_FOR_RREF
 from rpcdist.agent.extensions import (
     confirmation_gate,
@@ -55,7 +57,16 @@ from rpcdist.agent.extensions import (
     ordered_receiver,
     pickling_message,
 )
-from rpcdist.agent.markers import ASYNC_EXECUTION_ATTR, RunAsCall, inline, is_async_execution, prompt
+from rpcdist.agent.markers import (
+    ASYNC_EXECUTION_ATTR,
+    RunAsCall,
+    ValueAnswer,
+    ValueNotSent,
+    answers_value_with,
+    inline,
+    is_async_execution,
+    prompt,
+)
 from rpcdist.agent.options import WorkerInfo
 from rpcdist.errors import RestrictedError, RpcError, RpcTimeoutError, annotate_remote
 from rpcdist.futures import Future
@@ -156,6 +167,9 @@ class RRefContext:
         self.owned: dict[RRefId, _OwnerEntry] = {}
         self.users: dict[RRefId, weakref.ref[RRef[Any]]] = {}
         self.pending_children: dict[int, RRef[Any]] = {}
+        # remote() calls to other workers not encoded yet -> [their timeout, the to_here()
+        # Future riding on them or None] (see ride_on_creation)
+        self.unsent_creations: dict[RRefId, list[Any]] = {}
         # users/pending_children, and the owner's entries and counts (made on the loop, and
         # by a thread that pickles an owner RRef: see count_holder), are touched from any thread;
         # re-entrant because the garbage collector may run an RRef finalizer (which takes it)
@@ -213,6 +227,54 @@ class RRefContext:
             del self.owned[rref_id]
         if not entry.value.cancelled():
             entry.value.exception()  # mark a failure as retrieved: nobody can fetch it now
+
+    # -- a user's first to_here() riding on its remote() (any thread) -----------------------------
+    def ride_on_creation(self, rref_id: RRefId, fetch: Future[Any], seconds: float, owner: str) -> bool:
+        """Have the creating call of ``rref_id``, if not encoded yet, ask for the value in its
+        answer, which then completes ``fetch``; False: it left already (or another fetch rides
+        on it). ``seconds``: the fetch's timeout (0: none); if shorter than the creation's, a
+        timer of its own fails the fetch once it passes (the creation goes on)."""
+        with self._lock:
+            unsent = self.unsent_creations.get(rref_id)
+            if unsent is None or unsent[1] is not None:
+                return False
+            creation_seconds = unsent[0]
+            expires = None
+            if seconds > 0 and (creation_seconds == 0 or seconds < creation_seconds):
+                expires = (time.monotonic() + seconds, seconds, owner)
+            unsent[1:] = [fetch, expires]
+        return True
+
+    def creation_encoded(self, rref_id: RRefId) -> bool:
+        """The creating call of ``rref_id`` is being encoded (on the thread sending it): True if
+        a ``to_here()`` rides on it (the owner answers the creation with the value); a later one
+        sends a fetch of its own."""
+        with self._lock:
+            unsent = self.unsent_creations.pop(rref_id, None)
+        if unsent is None or unsent[1] is None:
+            return False
+        fetch, expires = unsent[1], unsent[2]
+        if expires is not None:
+            self._on_loop(lambda: self._expire_fetch(fetch, *expires), sends=False)
+        return True
+
+    def _expire_fetch(self, fetch: Future[Any], deadline: float, seconds: float, owner: str) -> None:
+        """(loop) Fail ``fetch`` at ``deadline`` unless the creation's answer completed it."""
+        if fetch.done():
+            return
+        loop = self.agent.loop
+
+        def expire() -> None:
+            fetch._try_complete(
+                None,
+                RpcTimeoutError(
+                    f"call to RRef.to_here on worker {owner} timed out after {seconds:g} s (the value "
+                    "was asked for with the call that creates it, which goes on)"
+                ),
+            )
+
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), expire)
+        fetch.add_done_callback(lambda _: loop.call_soon_threadsafe(timer.cancel))
 
     def owner_ref_gone(self, rref_id: RRefId) -> None:
         entry = self.owned.get(rref_id)
@@ -493,6 +555,10 @@ class RRef(Generic[T]):
             failed.set_exception(created.exception())  # type: ignore[arg-type]
             return failed
         if self._owner.id != agent.info.id:
+            if created is not None and not created.done():
+                riding = self._ride_on_creation(agent, created, timeout)
+                if riding is not None:
+                    return riding
             # A thread that waits for a value its owner has confirmed (it exists, or did) asks
             # for it as a plain call (see _fetch_owned); one still being made is waited for by
             # the owner's loop, which has the creation in hand.
@@ -549,6 +615,31 @@ class RRef(Generic[T]):
             )
         context._on_loop(watch)
         return result
+
+    def _ride_on_creation(self, agent: Agent, created: Future[Any], timeout: float) -> Future[T] | None:
+        """A Future of the value from the answer of this RRef's creating call, if that call
+        has not left yet (it then asks the owner for the value: one request and one answer,
+        not two of each); None: fetch it as usual."""
+        seconds = agent.options.rpc_timeout if timeout is None or timeout < 0 else timeout
+        fetch: Future[T] = Future(loop=agent.loop)
+        owner = self._owner.name
+        if not _context().ride_on_creation(self._id, fetch, seconds, owner):
+            return None
+
+        def answered(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is not None:
+                fetch._try_complete(None, error)
+                return
+            value = done.value()
+            if type(value) is ValueNotSent:  # created, but the value could not travel
+                error = rebuild_error(value.payload, value.buffers, "RRef.to_here", owner, agent.decode)
+                fetch._try_complete(None, error)
+            else:
+                fetch._try_complete(value, None)
+
+        created.add_done_callback(answered)
+        return fetch
 
     def to_here(self, timeout: float = -1.0) -> T:
         """The value, copied from the owner; raises the creating call's error if it failed."""
@@ -893,11 +984,34 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
 
 @trust
 @inline
+def _create_answering_value(
+    rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float = 0.0
+) -> asyncio.Future[ValueAnswer]:
+    """:func:`_create` for a creator whose first ``to_here()`` rides on it (the request's
+    ``Envelope.with_value``): answered with the value it makes (a copy, as a fetch's), not None."""
+    return _start_creation(rref_id, creator, func, args, kwargs, timeout, answer_value=True)
+
+
+@trust
+@answers_value_with(_create_answering_value)
+@inline
 def _create(
     rref_id: RRefId, creator: int, func: Callable[..., Any], args: Any, kwargs: Any, timeout: float = 0.0
 ) -> asyncio.Future[None]:
     """On the owner: register the creator at once (in arrival order, before any deletion the
     creator sends next), then run ``func`` and keep its result (or error)."""
+    return _start_creation(rref_id, creator, func, args, kwargs, timeout, answer_value=False)
+
+
+def _start_creation(
+    rref_id: RRefId,
+    creator: int,
+    func: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    timeout: float,
+    answer_value: bool,
+) -> asyncio.Future[Any]:
     context = _context()
     if creator >= 0:
         context.count_holder(rref_id, creator)
@@ -911,7 +1025,9 @@ def _create(
         # Started now (a plain function handed to the pool), not at the task's first step, a
         # turn of the loop later: the fetch that usually follows waits for it.
         started = agent.start_user_function(func, args, kwargs, made=made)
-    return agent.loop.create_task(_run_create(context, rref_id, func, args, kwargs, timeout, started, made))
+    return agent.loop.create_task(
+        _run_create(context, rref_id, func, args, kwargs, timeout, started, made, answer_value)
+    )
 
 
 async def _run_create(
@@ -923,9 +1039,11 @@ async def _run_create(
     timeout: float = 0.0,
     started: asyncio.Future[Any] | None = None,
     made: Callable[[Any], None] | None = None,
-) -> None:
+    answer_value: bool = False,
+) -> ValueAnswer | None:
     """Run ``func`` (or await ``started``, its run begun already) and keep its result (or its
-    error) as the value of ``rref_id``; ``made``: see ``Agent.run_user_function``."""
+    error) as the value of ``rref_id``; ``made``: see ``Agent.run_user_function``;
+    ``answer_value``: settle with the value (as a :class:`ValueAnswer`), for the creator."""
     agent = context.agent
     entry = context.entry(rref_id)
     try:
@@ -954,6 +1072,9 @@ async def _run_create(
     if not entry.value.done():
         entry.value.set_result(value)
     context.maybe_free(rref_id)  # the creator may have dropped it already
+    if answer_value:
+        return ValueAnswer(_value_or_copy_of_error(entry.value), "RRef.to_here")
+    return None
 
 
 @trust
@@ -1013,8 +1134,23 @@ def create_remote(
     call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}), seconds)
     with context._lock:
         rref = context._new_user(dest, rref_id, 1)  # (_create counts its creator)
-    # (waited: remote() calls seldom come in bursts, and a pipeline's next call depends on it)
-    created = agent.submit(dest, _create, call_args, None, timeout, function_name=name, waited=True)
+        # Until the call is encoded, a to_here() may ride on it (see RRefContext.ride_on_creation).
+        context.unsent_creations[rref_id] = [seconds, None, None]
+    try:
+        # (waited: remote() calls seldom come in bursts, and a pipeline's next call depends on it)
+        created = agent.submit(
+            dest,
+            _create,
+            call_args,
+            None,
+            timeout,
+            function_name=name,
+            waited=True,
+            asks_value=functools.partial(context.creation_encoded, rref_id),
+        )
+    except BaseException:
+        context.unsent_creations.pop(rref_id, None)
+        raise
     _await_confirmation(rref, created)
     return rref
 
@@ -1030,6 +1166,11 @@ def _await_confirmation(rref: RRef[Any], confirmation: Future[Any]) -> None:
         owner_rref = held()
         if owner_rref is not None and owner_rref._confirmed is done and done.exception() is None:
             owner_rref._confirmed = None
+        if unsent_creations:  # (a call that failed before it was ever encoded)
+            unsent_creations.pop(rref_id, None)
+
+    unsent_creations = _context().unsent_creations
+    rref_id = rref._id
 
     confirmation.add_done_callback(arrived)
 

@@ -102,6 +102,7 @@ class Envelope:
     reply_channel: int = 0
     link_token: int = 0
     link_envelopes: int = 0
+    with_value: bool = False
 
 
 class FrameError(ValueError):
@@ -177,6 +178,8 @@ def _decode_envelope(buf: memoryview, pos: int, end: int) -> Envelope:
                 env.link_token = value
             elif number == 12:
                 env.link_envelopes = value
+            elif number == 13:
+                env.with_value = bool(value)
         elif wire_type == 2:
             length, pos = _read_varint(buf, pos, end)
             stop = pos + length
@@ -224,6 +227,7 @@ def encode_message(
     reply_channel: int = 0,
     link_token: int = 0,
     link_envelopes: int = 0,
+    with_value: bool = False,
 ) -> Iterator[list[bytes | memoryview]]:
     """Yield the envelope entries of one message: a header, then CHUNKs of its buffer bytes.
 
@@ -231,6 +235,7 @@ def encode_message(
     ``reply_channel``: a request's, the channel its answer goes to (0: the caller's link).
     ``link_token``, ``link_envelopes``: a request sent on that channel, the caller's link and
     how many envelopes it had written there before (see ``Envelope`` in agent.proto).
+    ``with_value``: a request's, the caller wants the value the call makes in the answer.
     Entries are made lazily, so a 1 GiB tensor is never copied whole into a queue.
     """
     sizes = [len(b) for b in buffers]
@@ -256,6 +261,8 @@ def encode_message(
     if link_token:
         fields["link_token"] = link_token
         fields["link_envelopes"] = link_envelopes
+    if with_value:
+        fields["with_value"] = True
     header = agent_pb2.Envelope(**fields).SerializeToString()
     total = sum(len(b) for b in buffers)
     if total <= chunk_bytes:

@@ -37,7 +37,7 @@ class Frame(_message.Message):
     def __init__(self, envelopes: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers", "reply_channel", "link_token", "link_envelopes")
+    __slots__ = ("call_id", "kind", "payload", "buffer_sizes", "data", "timeout_seconds", "function", "caller_rank", "shared_buffers", "reply_channel", "link_token", "link_envelopes", "with_value")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Envelope(_message.Message):
     REPLY_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     LINK_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LINK_ENVELOPES_FIELD_NUMBER: _ClassVar[int]
+    WITH_VALUE_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     kind: Kind
     payload: bytes
@@ -62,4 +63,5 @@ class Envelope(_message.Message):
     reply_channel: int
     link_token: int
     link_envelopes: int
-    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ..., reply_channel: _Optional[int] = ..., link_token: _Optional[int] = ..., link_envelopes: _Optional[int] = ...) -> None: ...
+    with_value: bool
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[Kind, str]] = ..., payload: _Optional[bytes] = ..., buffer_sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., function: _Optional[str] = ..., caller_rank: _Optional[int] = ..., shared_buffers: _Optional[_Iterable[str]] = ..., reply_channel: _Optional[int] = ..., link_token: _Optional[int] = ..., link_envelopes: _Optional[int] = ..., with_value: _Optional[bool] = ...) -> None: ...

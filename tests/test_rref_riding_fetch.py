@@ -1,0 +1,101 @@
+"""A ``to_here()`` made before its RRef's ``remote()`` call has left rides on that call: the
+owner answers the creation with the value (one request and one answer instead of two of each),
+on gRPC links and on Unix sockets alike (metrics on: every call goes through the loop there).
+
+The checks run in ``rref_riding_scenarios.rref_riding_fetch`` (2 workers: w0 drives, w1 owns);
+the wire field itself is checked here too, through both frame decoders.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+from _harness import GroupRun, ProcSpec, run_processes
+
+from rpcdist.agent.markers import with_value_variant
+from rpcdist.errors import RpcError
+from rpcdist.rpc import rref as rref_module
+from rpcdist.transport import frames
+
+pytestmark = pytest.mark.timeout(300)
+
+CHECKS = [
+    "riding/one_request_and_answer_each",
+    "riding/tensor_value",
+    "riding/value_that_cannot_travel",
+    "riding/failed_creation",
+    "riding/a_shorter_fetch_timeout_holds",
+    "riding/two_fetches_before_it_leaves",
+    "riding/threads_at_once",
+    "riding/not_for_other_functions",
+    "riding/nothing_left_behind",
+]
+TRANSPORTS = {
+    "grpc": {"transport": "grpc", "shm_threshold_bytes": 0},
+    "unix": {},
+    "grpc-restricted": {
+        "transport": "grpc",
+        "shm_threshold_bytes": 0,
+        "restricted": True,
+        "allowlist": [
+            "rpc_functions.add",
+            "rpc_functions.raise_value_error",
+            "rpc_functions.arrive",
+            "rpc_functions.release",
+            "rpc_functions.wait_idle",
+            "rref_functions.made_slowly",
+            "rref_functions.debug",
+            "rref_riding_scenarios.served_from",
+            "rref_riding_scenarios.with_lock",
+            "rref_riding_scenarios.owned_count",
+            "rpcdist.rpc.api.get_worker_info",
+        ],
+    },
+}
+
+
+class _ImportInWorker:
+    """Unpickled in the worker before its scenario starts: imports the scenarios module."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __reduce__(self) -> Any:
+        return importlib.import_module, (self.module,)
+
+
+@pytest.fixture(scope="module", params=sorted(TRANSPORTS))
+def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GroupRun:
+    params = {"scenarios_module": _ImportInWorker("rref_riding_scenarios"), **TRANSPORTS[request.param]}
+    specs = [ProcSpec("rref_riding_fetch", rank, 2, dict(params)) for rank in range(2)]
+    return run_processes(tmp_path_factory.mktemp(f"riding_{request.param}"), specs, "env", timeout=240)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_riding_fetch(group: GroupRun, name: str) -> None:
+    group.check(name)
+
+
+def test_a_second_fetch_sends_its_own(group: GroupRun) -> None:
+    """Of two to_here() made before the creation left, one rides on it, the other is a fetch."""
+    served = group.check("riding/two_fetches_before_it_leaves")
+    assert served.get("RRef.to_here", 0) == 1, served
+
+
+@pytest.mark.parametrize("size", [100, 200_000])  # protobuf's parser, and the zero-copy reader
+def test_with_value_travels_in_the_envelope(size: int) -> None:
+    payload = b"p" * size
+    for asked in (True, False):
+        entries = list(frames.encode_message(9, frames.REQUEST, payload, [], function="f", with_value=asked))
+        raw = b"".join(bytes(piece) for entry in entries for piece in entry)
+        (envelope,) = frames.decode_frame(raw)
+        assert envelope.call_id == 9 and bool(envelope.with_value) is asked
+        assert bytes(envelope.payload) == payload
+
+
+def test_only_an_rrefs_creation_answers_with_its_value() -> None:
+    assert with_value_variant(rref_module._create, "create") is rref_module._create_answering_value
+    with pytest.raises(RpcError, match="cannot answer with the value"):
+        with_value_variant(rref_module._fetch, "RRef.to_here")
