@@ -24,6 +24,7 @@ import torch
 from _harness import check
 from rpc_scenarios import finish, init
 
+import rpcdist.autograd as dist_autograd
 import rpcdist.rpc as rpc
 import rpcdist.rpc.rref as rref_module
 from rpcdist import metrics
@@ -63,6 +64,16 @@ def with_lock(i: int) -> Locked:
 
 def owned_count() -> int:
     return rpc.debug_info()["owned_rrefs"]
+
+
+def leaf_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A new leaf tensor requiring grad (its gradient lands here, in a context)."""
+    return (a + b).requires_grad_()
+
+
+def has_gradient(context_id: int, rref: rpc.RRef[torch.Tensor]) -> bool:
+    """Whether the backward pass of ``context_id`` reached the value of ``rref`` here."""
+    return rref.local_value() in dist_autograd.get_gradients(context_id)
 
 
 # ============================================================================ helpers
@@ -166,6 +177,19 @@ def _drive() -> None:  # noqa: C901 - a list of independent checks
         assert (first.wait(), second.wait()) == (42, 42)
         c.value = _served_since(before)
         del rref, first, second
+
+    with check("riding/not_into_an_autograd_context") as c:
+        # A to_here() made in a distributed autograd context is a fetch of its own, recorded in
+        # the context (the backward pass reaches the owner), even right after remote().
+        before = rpc.rpc_sync(OWNER, served_from, ("w0",), timeout=CALL_TIMEOUT)
+        rref = rpc.remote(OWNER, leaf_sum, (torch.ones(3, 3), torch.ones(3, 3)))
+        with dist_autograd.context() as context_id:
+            loss = rref.to_here(CALL_TIMEOUT).sum()
+            dist_autograd.backward(context_id, [loss])
+            assert rpc.rpc_sync(OWNER, has_gradient, (context_id, rref), timeout=CALL_TIMEOUT)
+        c.value = _served_since(before)
+        assert c.value.get("RRef.to_here") == 1, c.value
+        del rref, loss
 
     with check("riding/threads_at_once"):
         failures: list[BaseException] = []

@@ -555,7 +555,11 @@ class RRef(Generic[T]):
             failed.set_exception(created.exception())  # type: ignore[arg-type]
             return failed
         if self._owner.id != agent.info.id:
-            if created is not None and not created.done():
+            if (
+                created is not None
+                and not created.done()
+                and (agent.extension is None or agent.extension.capture() is None)
+            ):
                 riding = self._ride_on_creation(agent, created, timeout)
                 if riding is not None:
                     return riding
@@ -1132,10 +1136,14 @@ def create_remote(
         _await_confirmation(rref, agent.submit(dest, _create, call_args, None, timeout, function_name=name))
         return rref
     call_args = (rref_id, agent.info.id, func, tuple(args or ()), dict(kwargs or {}), seconds)
+    # Until the call is encoded, a to_here() may ride on it (see RRefContext.ride_on_creation);
+    # not one made in a distributed autograd context (a fetch there records its own send and
+    # receive), nor on a creation made in one.
+    rides = agent.extension is None or agent.extension.capture() is None
     with context._lock:
         rref = context._new_user(dest, rref_id, 1)  # (_create counts its creator)
-        # Until the call is encoded, a to_here() may ride on it (see RRefContext.ride_on_creation).
-        context.unsent_creations[rref_id] = [seconds, None, None]
+        if rides:
+            context.unsent_creations[rref_id] = [seconds, None, None]
     try:
         # (waited: remote() calls seldom come in bursts, and a pipeline's next call depends on it)
         created = agent.submit(
@@ -1146,7 +1154,7 @@ def create_remote(
             timeout,
             function_name=name,
             waited=True,
-            asks_value=functools.partial(context.creation_encoded, rref_id),
+            asks_value=functools.partial(context.creation_encoded, rref_id) if rides else None,
         )
     except BaseException:
         context.unsent_creations.pop(rref_id, None)
