@@ -128,7 +128,6 @@ class RunAsCall(NamedTuple):
     kwargs: dict[str, Any]
 
 
-
 WITH_VALUE_ATTR = "_rpcdist_with_value"
 
 

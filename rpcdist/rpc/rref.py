@@ -238,11 +238,11 @@ class RRefContext:
             unsent = self.unsent_creations.get(rref_id)
             if unsent is None or unsent[1] is not None:
                 return False
+            unsent[1] = fetch
             creation_seconds = unsent[0]
-            expires = None
-            if seconds > 0 and (creation_seconds == 0 or seconds < creation_seconds):
-                expires = (time.monotonic() + seconds, seconds, owner)
-            unsent[1:] = [fetch, expires]
+        if seconds > 0 and (creation_seconds == 0 or seconds < creation_seconds):
+            deadline = time.monotonic() + seconds
+            self._on_loop(lambda: self._expire_fetch(fetch, deadline, seconds, owner), sends=False)
         return True
 
     def creation_encoded(self, rref_id: RRefId) -> bool:
@@ -251,12 +251,7 @@ class RRefContext:
         sends a fetch of its own."""
         with self._lock:
             unsent = self.unsent_creations.pop(rref_id, None)
-        if unsent is None or unsent[1] is None:
-            return False
-        fetch, expires = unsent[1], unsent[2]
-        if expires is not None:
-            self._on_loop(lambda: self._expire_fetch(fetch, *expires), sends=False)
-        return True
+        return unsent is not None and unsent[1] is not None
 
     def _expire_fetch(self, fetch: Future[Any], deadline: float, seconds: float, owner: str) -> None:
         """(loop) Fail ``fetch`` at ``deadline`` unless the creation's answer completed it."""
@@ -1143,7 +1138,7 @@ def create_remote(
     with context._lock:
         rref = context._new_user(dest, rref_id, 1)  # (_create counts its creator)
         if rides:
-            context.unsent_creations[rref_id] = [seconds, None, None]
+            context.unsent_creations[rref_id] = [seconds, None]
     try:
         # (waited: remote() calls seldom come in bursts, and a pipeline's next call depends on it)
         created = agent.submit(
