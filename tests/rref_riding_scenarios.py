@@ -115,9 +115,11 @@ def _drive() -> None:  # noqa: C901 - a list of independent checks
         assert values == [i + 1 for i in range(MANY)], values[:5]
         served = _served_since(before)
         c.value = served
-        # Every value came in its creation's answer: the owner answered no fetch.
+        # The values came in their creations' answers: the owner answered (next to) no fetch.
+        # (A to_here() sends one when its thread lost the interpreter to the loop between
+        # remote() and to_here(): a machine too busy to run it for 5 ms, now and then.)
         assert served.get(add) == MANY, served
-        assert "RRef.to_here" not in served, served
+        assert served.get("RRef.to_here", 0) <= MANY // 20, served
 
     with check("riding/tensor_value"):
         x = torch.arange(100_000, dtype=torch.float32)

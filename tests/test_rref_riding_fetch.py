@@ -82,9 +82,10 @@ def test_riding_fetch(group: GroupRun, name: str) -> None:
 
 
 def test_a_second_fetch_sends_its_own(group: GroupRun) -> None:
-    """Of two to_here() made before the creation left, one rides on it, the other is a fetch."""
+    """Of two to_here() made before the creation left, one rides on it, the other is a fetch
+    (two fetches when the creation left first: see the scenario's first check)."""
     served = group.check("riding/two_fetches_before_it_leaves")
-    assert served.get("RRef.to_here", 0) == 1, served
+    assert 1 <= served.get("RRef.to_here", 0) <= 2, served
 
 
 @pytest.mark.parametrize("size", [100, 200_000])  # protobuf's parser, and the zero-copy reader
