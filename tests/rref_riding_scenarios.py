@@ -231,9 +231,35 @@ def _drive() -> None:  # noqa: C901 - a list of independent checks
         _wait_owned(0)
 
 
+def rref_riding_queued(rank: int, world_size: int, init_method: str, workdir: str, **opts: Any) -> None:
+    """With one call in flight per peer (``max_inflight_calls_per_peer=1``), a ``remote()``
+    waits behind a slow call, not encoded yet: a ``to_here()`` riding on it with a shorter
+    timeout fails when that timeout passes, not once the creation has left."""
+    opts.pop("scenarios_module", None)
+    init(rank, world_size, init_method, **opts)
+    if rank == 0:
+        with check("riding/queued_creation_fetch_timeout") as c:
+            slow = rpc.rpc_async(OWNER, rf.sleep_blocking, (2.0,), timeout=CALL_TIMEOUT)
+            rref = rpc.remote(OWNER, rf.add, (1, 1), timeout=CALL_TIMEOUT)
+            start = time.monotonic()
+            try:
+                rref.to_here(0.3)
+            except RpcTimeoutError:
+                c.value = time.monotonic() - start
+            else:
+                raise AssertionError("to_here(0.3) of a creation queued behind a 2 s call returned")
+            assert c.value < 1.5, c.value  # (the creation leaves after 2 s)
+            assert rref.to_here(CALL_TIMEOUT) == 2
+            slow.wait()
+            del rref
+            _wait_owned(0)
+    finish(rank, world_size)
+
+
 def _register() -> None:
-    """Make the scenario findable where ``_harness`` looks scenarios up (``rpc_scenarios``)."""
+    """Make the scenarios findable where ``_harness`` looks scenarios up (``rpc_scenarios``)."""
     rpc_scenarios.rref_riding_fetch = rref_riding_fetch  # type: ignore[attr-defined]
+    rpc_scenarios.rref_riding_queued = rref_riding_queued  # type: ignore[attr-defined]
 
 
 _register()

@@ -9,6 +9,7 @@ the wire field itself is checked here too, through both frame decoders.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,6 +87,19 @@ def test_a_second_fetch_sends_its_own(group: GroupRun) -> None:
     (two fetches when the creation left first: see the scenario's first check)."""
     served = group.check("riding/two_fetches_before_it_leaves")
     assert 1 <= served.get("RRef.to_here", 0) <= 2, served
+
+
+def test_a_riding_fetch_times_out_while_its_creation_waits(tmp_path: Path) -> None:
+    """A remote() queued behind the in-flight limit (not encoded yet): a to_here(0.3) riding
+    on it fails after its 0.3 s, not once the creation leaves after the 2 s call ahead of it."""
+    params = {
+        "scenarios_module": _ImportInWorker("rref_riding_scenarios"),
+        **TRANSPORTS["grpc"],
+        "max_inflight_calls_per_peer": 1,
+    }
+    specs = [ProcSpec("rref_riding_queued", rank, 2, dict(params)) for rank in range(2)]
+    run = run_processes(tmp_path, specs, "env", timeout=120)
+    run.check("riding/queued_creation_fetch_timeout")
 
 
 @pytest.mark.parametrize("size", [100, 200_000])  # protobuf's parser, and the zero-copy reader
