@@ -122,9 +122,10 @@ def _drive() -> None:  # noqa: C901 - a list of independent checks
         assert served.get("RRef.to_here", 0) <= MANY // 20, served
 
     with check("riding/tensor_value"):
-        x = torch.arange(100_000, dtype=torch.float32)
-        got = rpc.remote(OWNER, rf.add, (x, 1)).to_here(CALL_TIMEOUT)
-        assert torch.equal(got, x + 1)
+        for size in (100_000, 2_000_000):  # 400 KB, and 8 MB: request and answer in chunks
+            x = torch.arange(size, dtype=torch.float32)
+            got = rpc.remote(OWNER, rf.add, (x, 1)).to_here(CALL_TIMEOUT)
+            assert torch.equal(got, x + 1), size
 
     with check("riding/value_that_cannot_travel") as c:
         rref = rpc.remote(OWNER, with_lock, (7,))
