@@ -94,6 +94,17 @@ def _wait_owned(count: int, timeout: float = 15.0) -> None:
     raise AssertionError(f"{OWNER} owns {seen} values, expected {count}")
 
 
+def _seconds_to_time_out(rref: rpc.RRef[Any], timeout: float, what: str) -> float:
+    """How long ``rref.to_here(timeout)`` took to raise RpcTimeoutError (AssertionError if it
+    returned: ``what`` describes the value)."""
+    start = time.monotonic()
+    try:
+        rref.to_here(timeout)
+    except RpcTimeoutError:
+        return time.monotonic() - start
+    raise AssertionError(f"to_here({timeout}) of {what} returned")
+
+
 def _unsent() -> int:
     return len(rref_module._context().unsent_creations)
 
@@ -162,13 +173,7 @@ def _drive() -> None:  # noqa: C901 - a list of independent checks
         # The creation may take its 30 s; a to_here() allowed 0.3 s fails after 0.3 s (riding
         # on the creation or not), and the value is there for the next one.
         rref = rpc.remote(OWNER, rrf.made_slowly, (5, 1.5), timeout=CALL_TIMEOUT)
-        start = time.monotonic()
-        try:
-            rref.to_here(0.3)
-        except RpcTimeoutError:
-            c.value = time.monotonic() - start
-        else:
-            raise AssertionError("to_here(0.3) of a value made in 1.5 s returned")
+        c.value = _seconds_to_time_out(rref, 0.3, "a value made in 1.5 s")
         assert c.value < 1.2, c.value
         assert torch.equal(rref.to_here(CALL_TIMEOUT), rrf.make_value(5))
         del rref
@@ -242,13 +247,7 @@ def rref_riding_queued(rank: int, world_size: int, init_method: str, workdir: st
         with check("riding/queued_creation_fetch_timeout") as c:
             slow = rpc.rpc_async(OWNER, rf.sleep_blocking, (2.0,), timeout=CALL_TIMEOUT)
             rref = rpc.remote(OWNER, rf.add, (1, 1), timeout=CALL_TIMEOUT)
-            start = time.monotonic()
-            try:
-                rref.to_here(0.3)
-            except RpcTimeoutError:
-                c.value = time.monotonic() - start
-            else:
-                raise AssertionError("to_here(0.3) of a creation queued behind a 2 s call returned")
+            c.value = _seconds_to_time_out(rref, 0.3, "a creation queued behind a 2 s call")
             assert c.value < 1.5, c.value  # (the creation leaves after 2 s)
             assert rref.to_here(CALL_TIMEOUT) == 2
             slow.wait()

@@ -322,10 +322,7 @@ class ChannelCalls:
         answering = _AnsweredOnChannel(session, self.writer)
         call_id, function = header.call_id, header.function
         try:
-            with CollectingUnconfirmed() as unconfirmed:
-                func, args, kwargs, *state = agent.decode(header.payload, buffers)
-            if header.with_value:
-                func = with_value_variant(func, function)
+            func, args, kwargs, state, unconfirmed = _decode_request(agent, header, buffers)
         except Exception as exc:  # noqa: BLE001 - answered (from the loop, as every error)
             self._notices(session, notices)
             error = _loading_error(exc)
@@ -555,10 +552,7 @@ class Callee:
                     f"already has {running} calls running here "
                     f"(max_inflight_calls_per_peer={limit})"
                 )
-            with CollectingUnconfirmed() as unconfirmed:
-                func, args, kwargs, *state = self.agent.decode(header.payload, buffers)
-            if header.with_value:
-                func = with_value_variant(func, function)
+            func, args, kwargs, state, unconfirmed = _decode_request(self.agent, header, buffers)
         except Exception as exc:
             self._respond_error(session, call_id, function, _loading_error(exc), loading=True)
             return
@@ -1050,6 +1044,19 @@ async def awaitable(result: Any) -> Any:
         "Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
         f"but got {type(result)} (rpcdist also takes an rpcdist Future or any awaitable)"
     )
+
+
+def _decode_request(
+    agent: Any, header: Any, buffers: list[memoryview]
+) -> tuple[Any, Any, Any, list[Any], list[Unconfirmed]]:
+    """A request's function (its value-answering variant when the request asks for it, see
+    ``Envelope.with_value``), arguments and caller state, and the unconfirmed RRefs the
+    arguments carry."""
+    with CollectingUnconfirmed() as unconfirmed:
+        func, args, kwargs, *state = agent.decode(header.payload, buffers)
+    if header.with_value:
+        func = with_value_variant(func, header.function)
+    return func, args, kwargs, state, unconfirmed
 
 
 def _loading_error(exc: Exception) -> Exception:

@@ -255,21 +255,14 @@ class RRefContext:
 
     def _expire_fetch(self, fetch: Future[Any], deadline: float, seconds: float, owner: str) -> None:
         """(loop) Fail ``fetch`` at ``deadline`` unless the creation's answer completed it."""
-        if fetch.done():
-            return
-        loop = self.agent.loop
-
-        def expire() -> None:
-            fetch._try_complete(
-                None,
-                RpcTimeoutError(
-                    f"call to RRef.to_here on worker {owner} timed out after {seconds:g} s (the value "
-                    "was asked for with the call that creates it, which goes on)"
-                ),
+        if not fetch.done():
+            _time_out_after(
+                self.agent.loop,
+                fetch,
+                max(0.0, deadline - time.monotonic()),
+                f"call to RRef.to_here on worker {owner} timed out after {seconds:g} s (the value "
+                "was asked for with the call that creates it, which goes on)",
             )
-
-        timer = loop.call_later(max(0.0, deadline - time.monotonic()), expire)
-        fetch.add_done_callback(lambda _: loop.call_soon_threadsafe(timer.cancel))
 
     def owner_ref_gone(self, rref_id: RRefId) -> None:
         entry = self.owned.get(rref_id)
@@ -595,17 +588,13 @@ class RRef(Generic[T]):
                 )
             )
             if seconds > 0 and not value.done():
-                timer = agent.loop.call_later(seconds, expire)
-                result.add_done_callback(lambda _: agent.loop.call_soon_threadsafe(timer.cancel))
-
-        def expire() -> None:
-            result._try_complete(
-                None,
-                RpcTimeoutError(
+                _time_out_after(
+                    agent.loop,
+                    result,
+                    seconds,
                     f"RRef.to_here on its owner {agent.info.name} timed out after {seconds:g} s: "
-                    f"the value of {rref_id} was not created within that time"
-                ),
-            )
+                    f"the value of {rref_id} was not created within that time",
+                )
 
         if created is not None and not created.done():
             # The creating call to ourselves may fail before it runs: no value would come.
@@ -1104,6 +1093,15 @@ def _user_deleted(rref_id: RRefId, user: int, count: int = 1) -> None:
     context = _current
     if context is not None:
         context.uncount_holder(rref_id, user, count)
+
+
+def _time_out_after(
+    loop: asyncio.AbstractEventLoop, future: Future[Any], seconds: float, message: str
+) -> None:
+    """(loop) Fail ``future`` with an RpcTimeoutError(``message``) in ``seconds`` unless it is
+    done by then (the timer goes as soon as it is)."""
+    timer = loop.call_later(seconds, lambda: future._try_complete(None, RpcTimeoutError(message)))
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(timer.cancel))
 
 
 def _qualname(func: Any) -> str:
