@@ -66,7 +66,7 @@ class Agent:
         self.workers_by_name: dict[str, WorkerInfo] = {}
         self.addresses: dict[int, str] = {}
         self.extension: CallExtension | None = None
-        self.pool = WorkerPool(options.num_worker_threads, f"rpcdist-{info.name}")
+        self.pool = WorkerPool(options.num_worker_threads, f"rpcdist-{info.name}", loop)
         self.inbox = LoopInbox(loop)
         self.dynamic = False  # a group workers join and leave (rpcdist.rpc.elastic)
         self.closing = False
