@@ -155,7 +155,7 @@ class WorkerPool:
         self._idle: list[_PoolThread] = []  # parked threads, the most recent last (warm caches)
         self._threads: list[threading.Thread] = []
         self._running = 0  # threads running a job and not in a blocking_wait
-        self._last_start = 0.0  # (monotonic) when a queued job last started
+        self._last_start = 0.0  # (monotonic) when a queued job last started (the queue moved)
         self._check_armed = False  # a starvation check is scheduled on the loop
         self._closed = False
 
@@ -183,9 +183,18 @@ class WorkerPool:
         """The thread that :meth:`enter`-ed is done: its place goes to a queued job, if any."""
         pool_thread_of.pool = None
         with self._lock:
-            self._running -= 1
-            while self._jobs and self._running < self._limit and self._capacity_locked():
-                self._start_locked(self._jobs.popleft()[1])
+            self._give_place_locked()
+
+    def _give_place_locked(self) -> None:
+        """A running place is free: queued jobs take the free places."""
+        self._running -= 1
+        while self._jobs and self._running < self._limit and self._capacity_locked():
+            self._start_queued_locked()
+
+    def _start_queued_locked(self) -> None:
+        """Start the oldest queued job (there is one, and a thread for it)."""
+        self._last_start = time.monotonic()
+        self._start_locked(self._jobs.popleft()[1])
 
     def _capacity_locked(self) -> bool:
         return bool(self._idle) or len(self._threads) < self._size
@@ -204,7 +213,6 @@ class WorkerPool:
         else:
             return False
         self._running += 1
-        self._last_start = time.monotonic()
         worker.give(job)
         return True
 
@@ -223,9 +231,7 @@ class WorkerPool:
     def _blocked(self) -> None:
         """The calling pool thread waits for something rpcdist completes: its place goes."""
         with self._lock:
-            self._running -= 1
-            while self._jobs and self._running < self._limit and self._capacity_locked():
-                self._start_locked(self._jobs.popleft()[1])
+            self._give_place_locked()
 
     def _unblocked(self) -> None:
         with self._lock:
@@ -233,7 +239,7 @@ class WorkerPool:
 
     def _watch_locked(self) -> None:
         """Jobs are queued: make sure a starvation check is due on the loop."""
-        if self._check_armed or self._closed:
+        if self._check_armed:
             return
         self._check_armed = True
         delay = self._jobs[0][0] + self._starvation - time.monotonic()
@@ -261,7 +267,7 @@ class WorkerPool:
                 if not self._capacity_locked():
                     due = self._starvation  # all ``size`` threads are busy
                     break
-                self._start_locked(self._jobs.popleft()[1])
+                self._start_queued_locked()
             else:
                 return
             self._check_armed = True
