@@ -3,6 +3,11 @@ byte for byte, however large, and slots are reused once given back."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -96,3 +101,70 @@ def test_a_kept_slot_goes_back_when_the_last_tensor_using_it_is_freed(pool: shm.
     assert view.tolist() == list(range(10, 20))
     del view
     assert released == [slot.name]
+
+
+# ------------------------------------------------------------------------------------------------
+# What a killed worker leaves in /dev/shm is swept by the next one
+# ------------------------------------------------------------------------------------------------
+_MAKER = """
+import socket, sys, torch
+from rpcdist.transport import shm
+probe = shm.create_probe()
+path = shm.socket_path()
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen()
+slot = shm.SlotPool().lend(1, torch.zeros(10, dtype=torch.uint8))  # never mapped by anyone
+print(probe, path, slot.name, flush=True)
+sys.stdin.read()  # until killed, or told to exit
+shm.remove_socket(path)
+shm.remove([probe])
+"""
+
+
+def _start_maker() -> tuple[subprocess.Popen[str], list[str]]:
+    """A process holding what a worker keeps in /dev/shm: a probe, a Unix socket (and its
+    directory), a slot; returns it and the three paths."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MAKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    probe, socket_path, slot = proc.stdout.readline().split()  # type: ignore[union-attr]
+    paths = [os.path.join(shm.SHM_DIR, probe), os.path.dirname(socket_path), os.path.join(shm.SHM_DIR, slot)]
+    assert all(os.path.exists(p) for p in paths)
+    return proc, paths
+
+
+def _age(paths: list[str], seconds: float) -> None:
+    then = time.time() - seconds
+    for p in paths:
+        os.utime(p, (then, then))
+
+
+def test_what_a_killed_worker_left_is_swept() -> None:
+    proc, paths = _start_maker()
+    proc.kill()  # SIGKILL: nothing of its own clean-up runs
+    proc.wait(10)
+    assert all(os.path.exists(p) for p in paths)
+    _age(paths, shm.STALE_AFTER_SECONDS + 5)
+    removed = shm.sweep_stale()
+    assert {os.path.basename(p) for p in paths} <= set(removed)
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_a_live_workers_entries_and_young_ones_stay() -> None:
+    proc, paths = _start_maker()
+    killed, young = _start_maker()
+    try:
+        killed.kill()
+        killed.wait(10)
+        _age(paths, shm.STALE_AFTER_SECONDS + 5)  # old, but their maker lives
+        removed = shm.sweep_stale()  # the killed one's entries are younger than the limit
+        assert all(os.path.exists(p) for p in paths + young), removed
+        proc.stdin.close()  # type: ignore[union-attr]
+        assert proc.wait(10) == 0
+        assert not any(os.path.exists(p) for p in paths[:2])  # removed by their maker itself
+    finally:
+        proc.kill()
+        _age(young, shm.STALE_AFTER_SECONDS + 5)
+        shm.sweep_stale()
+    assert not any(os.path.exists(p) for p in young)

@@ -13,20 +13,31 @@ either side once the slots are warm.
 Whether two workers share ``/dev/shm`` is tested, not guessed: each worker leaves a probe
 file there and publishes its name; a peer is co-located when it can see that file (two
 containers on one machine with private ``/dev/shm`` correctly come out as not co-located).
+
+A worker that is killed (SIGKILL, the OOM killer, a crash) cannot remove its probe, its Unix
+socket's directory or a slot no receiver mapped yet. So a live worker holds a shared ``flock``
+on its probe and its socket directory, and each process's first probe sweeps ``/dev/shm``
+(:func:`sweep_stale`): this user's entries that nobody holds any more go, and with a probe
+the slots of the process that made it. A lock dies with its process, whatever ends it, and
+works across PID namespaces sharing one ``/dev/shm``, where a PID would mislead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import itertools
 import logging
 import mmap
 import os
 import secrets
+import shutil
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -48,16 +59,121 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
+_PROBE_PREFIX = f"{_PREFIX}probe-"
+_SOCKET_DIR_PREFIX = f"{_PREFIX}sock-"
+STALE_AFTER_SECONDS = 60.0
+"""Entries younger than this are never swept: their maker may not hold its lock yet."""
+# Entry path -> the descriptor whose shared flock marks it as in use (closed with the entry).
+_held: dict[str, int] = {}
+_held_lock = threading.Lock()
+_swept = False
+
+
 def create_probe() -> str:
-    """Leave a probe file in /dev/shm; returns its name ("" without /dev/shm)."""
+    """Leave a probe file in /dev/shm, held (see :func:`sweep_stale`) until :func:`remove`
+    deletes it; returns its name ("" without /dev/shm). A process's first probe first sweeps
+    what killed workers left there."""
+    global _swept
     if not available():
         return ""
-    name = f"{_PREFIX}probe-{os.getpid()}-{secrets.token_hex(8)}"
+    if not _swept:
+        _swept = True
+        try:
+            sweep_stale()
+        except OSError as exc:  # never a reason not to start
+            log.debug("could not sweep %s: %s", SHM_DIR, exc)
+    # The process's session token in the name ties its slots to it (see sweep_stale).
+    name = f"{_PROBE_PREFIX}{os.getpid()}-{_session}-{secrets.token_hex(4)}"
+    path = os.path.join(SHM_DIR, name)
     try:
-        os.close(os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDONLY, 0o600)
     except OSError:
         return ""
+    _hold(path, fd)
     return name
+
+
+def _hold(path: str, fd: int) -> None:
+    """Mark ``path`` as in use for as long as this process lives (or until released)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:  # (a file system without flock: the entry is then never swept)
+        log.debug("cannot lock %s: %s", path, exc)
+    with _held_lock:
+        _held[path] = fd
+
+
+def _release(path: str) -> None:
+    with _held_lock:
+        fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_stale(now: float | None = None) -> list[str]:
+    """Remove this user's rpcdist entries in /dev/shm that no live process holds: probes and
+    Unix-socket directories whose lock nobody has (their worker is gone), and slots whose
+    maker has no live probe (it died before a receiver mapped them). Entries younger than
+    :data:`STALE_AFTER_SECONDS` stay. Returns the names removed."""
+    now = time.time() if now is None else now
+    uid = os.geteuid()
+    old: dict[str, os.stat_result] = {}
+    live: set[str] = set()  # the makers (see _maker) of every probe, until found unheld
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            if not entry.name.startswith(_PREFIX):
+                continue
+            if entry.name.startswith(_PROBE_PREFIX):
+                live.add(_maker(entry.name, _PROBE_PREFIX))
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_uid == uid and now - st.st_mtime >= STALE_AFTER_SECONDS:
+                old[entry.name] = st
+    removed = []
+    for name, st in old.items():
+        path = os.path.join(SHM_DIR, name)
+        if name.startswith(_PROBE_PREFIX) and stat.S_ISREG(st.st_mode):
+            if _unheld(path, os.O_RDONLY):
+                live.discard(_maker(name, _PROBE_PREFIX))
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed.append(name)
+        elif name.startswith(_SOCKET_DIR_PREFIX) and stat.S_ISDIR(st.st_mode):
+            if _unheld(path, os.O_RDONLY | os.O_DIRECTORY):
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(path)
+                    removed.append(name)
+    for name, st in old.items():
+        if name.startswith(_SLOT_PREFIX) and stat.S_ISREG(st.st_mode):
+            if _maker(name, _SLOT_PREFIX) not in live:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    removed.append(name)
+    if removed:
+        log.info("removed %d entries of rpcdist workers that are gone from %s", len(removed), SHM_DIR)
+    return removed
+
+
+def _maker(name: str, prefix: str) -> str:
+    """The "<pid>-<session>" of the process that made a probe or slot, from its name."""
+    return "-".join(name[len(prefix) :].split("-")[:2])
+
+
+def _unheld(path: str, flags: int) -> bool:
+    """Whether no process holds ``path`` (a probe or socket directory) in use."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def sees_probe(name: str) -> bool:
@@ -68,6 +184,7 @@ def remove(names: Iterable[str]) -> None:
     """Delete shared-memory files (slots nobody will map any more)."""
     for name in names:
         if name:
+            _release(os.path.join(SHM_DIR, name))
             try:
                 os.unlink(os.path.join(SHM_DIR, name))
             except FileNotFoundError:
@@ -79,13 +196,15 @@ def remove(names: Iterable[str]) -> None:
 def socket_path() -> str:
     """A fresh path for this worker's Unix socket, next to the probe (same visibility), inside
     a new directory only this user can enter (mode 0700, unguessable name)."""
-    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}sock-", dir=SHM_DIR)
+    directory = tempfile.mkdtemp(prefix=_SOCKET_DIR_PREFIX, dir=SHM_DIR)
+    _hold(directory, os.open(directory, os.O_RDONLY | os.O_DIRECTORY))
     return os.path.join(directory, "agent.sock")
 
 
 def remove_socket(path: str) -> None:
     """Remove the socket and its private directory."""
     if path:
+        _release(os.path.dirname(path))
         with contextlib.suppress(OSError):
             os.unlink(path)
         with contextlib.suppress(OSError):
