@@ -3,10 +3,12 @@ byte for byte, however large, and slots are reused once given back."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -104,19 +106,26 @@ def test_a_kept_slot_goes_back_when_the_last_tensor_using_it_is_freed(pool: shm.
 
 
 # ------------------------------------------------------------------------------------------------
-# What a killed worker leaves in /dev/shm is swept by the next one
+# What a worker leaves in /dev/shm: removed at its exit, or swept by the next one if it was killed
 # ------------------------------------------------------------------------------------------------
 _MAKER = """
-import socket, sys, torch
+import os, socket, sys, torch
 from rpcdist.transport import shm
 probe = shm.create_probe()
 path = shm.socket_path()
 server = socket.socket(socket.AF_UNIX)
 server.bind(path)
 server.listen()
-slot = shm.SlotPool().lend(1, torch.zeros(10, dtype=torch.uint8))  # never mapped by anyone
+pool = shm.SlotPool()  # (as a transport keeps it)
+slot = pool.lend(1, torch.zeros(10, dtype=torch.uint8))  # never mapped by anyone
 print(probe, path, slot.name, flush=True)
-sys.stdin.read()  # until killed, or told to exit
+if sys.stdin.read() == "fork\\n":  # (else: killed, or told to clean up and exit)
+    if os.fork() == 0:
+        sys.exit(0)  # runs the child's exit handlers
+    os.wait()
+    kept = all(os.path.exists(os.path.join(shm.SHM_DIR, p)) for p in (probe, path, slot.name))
+    print("child exited, entries kept" if kept else "child removed them", flush=True)
+    sys.exit(0)  # without clean-up of its own: the exit handler's work
 shm.remove_socket(path)
 shm.remove([probe])
 """
@@ -168,3 +177,39 @@ def test_a_live_workers_entries_and_young_ones_stay() -> None:
         _age(young, shm.STALE_AFTER_SECONDS + 5)
         shm.sweep_stale()
     assert not any(os.path.exists(p) for p in young)
+
+
+def test_a_process_that_exits_without_closing_removes_its_entries() -> None:
+    # A torch program ending without destroy_process_group: its transport never closes. A
+    # child it forked (which inherits the table of entries) exits first and removes nothing.
+    proc, paths = _start_maker()
+    proc.stdin.write("fork\n")  # type: ignore[union-attr]
+    proc.stdin.close()  # type: ignore[union-attr]
+    assert proc.stdout.readline().strip() == "child exited, entries kept"  # type: ignore[union-attr]
+    assert proc.wait(10) == 0
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def _make_entries_and_return(queue: Any) -> None:
+    pool = shm.SlotPool()
+    slot = pool.lend(1, torch.zeros(10, dtype=torch.uint8))
+    queue.put(
+        [
+            os.path.join(shm.SHM_DIR, shm.create_probe()),
+            os.path.dirname(shm.socket_path()),
+            os.path.join(shm.SHM_DIR, slot.name),
+        ]
+    )
+    # returns: multiprocessing ends the child with os._exit (no atexit handlers)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_multiprocessing_child_removes_its_entries_at_exit(method: str) -> None:
+    ctx = multiprocessing.get_context(method)
+    queue = ctx.Queue()
+    child = ctx.Process(target=_make_entries_and_return, args=(queue,))
+    child.start()
+    paths = queue.get(timeout=60)
+    child.join(60)
+    assert child.exitcode == 0
+    assert not any(os.path.exists(p) for p in paths), [p for p in paths if os.path.exists(p)]

@@ -14,8 +14,9 @@ Whether two workers share ``/dev/shm`` is tested, not guessed: each worker leave
 file there and publishes its name; a peer is co-located when it can see that file (two
 containers on one machine with private ``/dev/shm`` correctly come out as not co-located).
 
-A worker that is killed (SIGKILL, the OOM killer, a crash) cannot remove its probe, its Unix
-socket's directory or a slot no receiver mapped yet. So a live worker holds a shared ``flock``
+A process that ends without closing its transport (a torch program that never calls
+``destroy_process_group``) removes its probe, socket directory and slots at exit. One that is
+killed (SIGKILL, the OOM killer, a crash) cannot. So a live worker holds a shared ``flock``
 on its probe and its socket directory, and each process's first probe sweeps ``/dev/shm``
 (:func:`sweep_stale`): this user's entries that nobody holds any more go, and with a probe
 the slots of the process that made it. A lock dies with its process, whatever ends it, and
@@ -24,6 +25,7 @@ works across PID namespaces sharing one ``/dev/shm``, where a PID would mislead.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -31,6 +33,7 @@ import functools
 import itertools
 import logging
 import mmap
+import multiprocessing.util
 import os
 import secrets
 import shutil
@@ -38,6 +41,7 @@ import stat
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -63,8 +67,9 @@ _PROBE_PREFIX = f"{_PREFIX}probe-"
 _SOCKET_DIR_PREFIX = f"{_PREFIX}sock-"
 STALE_AFTER_SECONDS = 60.0
 """Entries younger than this are never swept: their maker may not hold its lock yet."""
-# Entry path -> the descriptor whose shared flock marks it as in use (closed with the entry).
-_held: dict[str, int] = {}
+# Entry path -> the descriptor whose shared flock marks it as in use (closed with the entry),
+# and the process that made it (a forked child inherits the table, not the entries).
+_held: dict[str, tuple[int, int]] = {}
 _held_lock = threading.Lock()
 _swept = False
 
@@ -99,15 +104,49 @@ def _hold(path: str, fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:  # (a file system without flock: the entry is then never swept)
         log.debug("cannot lock %s: %s", path, exc)
+    _remove_at_exit()
     with _held_lock:
-        _held[path] = fd
+        _held[path] = (fd, os.getpid())
 
 
 def _release(path: str) -> None:
     with _held_lock:
-        fd = _held.pop(path, None)
-    if fd is not None:
-        os.close(fd)
+        held = _held.pop(path, None)
+    if held is not None:
+        os.close(held[0])
+
+
+def _remove_own_entries() -> None:
+    """At the exit of a process that never closed its transport (a torch program ending
+    without ``destroy_process_group``, say): remove the probe, socket directory and slots it
+    made, as closing would have."""
+    me = os.getpid()
+    with _held_lock:
+        paths = [path for path, (_, pid) in _held.items() if pid == me]
+    for path in paths:
+        _release(path)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+    for pool in list(_pools):
+        if pool.pid == me:
+            pool.close()
+
+
+atexit.register(_remove_own_entries)
+_exit_hook_pid = 0
+
+
+def _remove_at_exit() -> None:
+    """Have this process remove its entries at exit also if it is a multiprocessing child:
+    one ends with ``os._exit``, which skips atexit but runs multiprocessing's finalizers (and
+    a forked one starts with those cleared, so this is done per process, on first use)."""
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        _exit_hook_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _remove_own_entries, exitpriority=0)
 
 
 def sweep_stale(now: float | None = None) -> list[str]:
@@ -260,6 +299,14 @@ class Slot:
     memory: torch.Tensor  # uint8 view of the mapping
 
 
+_pools: weakref.WeakSet[SlotPool] = weakref.WeakSet()
+
+
+def _remove_slots(names: set[str], pid: int) -> None:
+    if os.getpid() == pid:  # (not in a forked child, whose copy of the pool is no maker)
+        remove(list(names))
+
+
 class SlotPool:
     """A sender's slots, per receiving peer. Thread-safe.
 
@@ -270,8 +317,13 @@ class SlotPool:
     """
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # its slots' maker (removes them at exit if not closed before)
+        _remove_at_exit()
+        _pools.add(self)
         self._free: dict[int, list[Slot]] = {}
         self._names: set[str] = set()
+        # A pool dropped without close() (its transport freed) removes its slots all the same.
+        weakref.finalize(self, _remove_slots, self._names, self.pid).atexit = False
         self._given: dict[str, tuple[int, Slot]] = {}
         self._lock = threading.Lock()
         self.lends = 0  # how many buffers went out through the slots
@@ -344,7 +396,8 @@ class SlotPool:
 
     def close(self) -> None:
         with self._lock:
-            names, self._names = list(self._names), set()
+            names = list(self._names)
+            self._names.clear()
             self._free.clear()
             self._given.clear()
         remove(names)
