@@ -119,3 +119,15 @@ def test_unknown_workload_is_a_clear_error() -> None:
     proc = run_bench(["--quick", "--workloads", "rl,nope"], timeout=120)
     assert proc.returncode == 2
     assert "--workloads: unknown ['nope']" in proc.stderr, proc.stderr
+
+
+def test_cross_host_path_on_rpcdists_tcp_carrier(tmp_path: Path) -> None:
+    out_json = tmp_path / "workloads.json"
+    args = ["--quick", "--path", "cross-host", "--cross-host-carrier", "tcp", "--workloads", "rref"]
+    proc = run_bench([*args, "--systems", "rpcdist", "--json", str(out_json)], timeout=200)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    assert "cross-host path: rpcdist framed TCP links, no shared memory" in proc.stdout, proc.stdout
+    doc = json.loads(out_json.read_text())
+    assert not doc["failures"], doc["failures"]
+    assert doc["summary"]["rref_lifecycles_per_s"]["rpcdist"]["median"] > 0, doc["summary"]
+    assert doc["summary"]["rref_owner_live_after"]["rpcdist"]["median"] == 0, doc["summary"]

@@ -25,7 +25,8 @@ Each workload is written once (``scenarios/_workload_workers.py``; the PS groups
 
 ``--path cross-host`` runs both systems on what crosses a network even on one host (torch:
 TensorPipe uv transport + basic channel; rpcdist: gRPC links, no shared memory), as the ``rpc``
-scenario does. ``--plot`` draws the ratio per workload and the scaling curve of both systems.
+scenario does; with ``--cross-host-carrier tcp``, rpcdist's framed TCP links (``transport="tcp"``)
+instead of gRPC. ``--plot`` draws the ratio per workload and the scaling curve of both systems.
 
 A round is one group (one system, one workload, fresh processes on 127.0.0.1, a fresh rendezvous
 on an ephemeral port), reaped before the next round; the two systems' rounds alternate per
@@ -162,6 +163,13 @@ class Workloads(Scenario):
             "_channels=['basic'] vs rpcdist transport='grpc', shm_threshold_bytes=0",
         )
         ap.add_argument(
+            "--cross-host-carrier",
+            choices=("grpc", "tcp"),
+            default="grpc",
+            help="rpcdist's carrier on the cross-host path: gRPC streams (default) or framed TCP "
+            "(transport='tcp')",
+        )
+        ap.add_argument(
             "--workloads",
             default=",".join(WORKLOADS),
             help=f"comma-separated subset of {','.join(WORKLOADS)}",
@@ -235,6 +243,7 @@ class Workloads(Scenario):
 
     def apply_args(self, cfg: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         cfg["path"] = args.path
+        cfg["cross_host_carrier"] = args.cross_host_carrier
         chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
         bad = [w for w in chosen if w not in WORKLOADS]
         if bad or not chosen:
@@ -465,8 +474,10 @@ class Workloads(Scenario):
 
     def title_lines(self, meta: dict[str, Any], agg: dict[str, Any]) -> list[str]:
         cfg = meta["cfg"]
+        carrier = "framed TCP" if cfg.get("cross_host_carrier") == "tcp" else "gRPC"
         path = (
-            "cross-host path: rpcdist gRPC links, no shared memory vs TensorPipe uv transport + basic channel"
+            f"cross-host path: rpcdist {carrier} links, no shared memory vs TensorPipe uv transport + "
+            "basic channel"
             if cfg.get("path") == "cross-host"
             else "same-host path: each system's defaults (rpcdist; TensorPipe)"
         )
