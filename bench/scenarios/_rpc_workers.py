@@ -81,6 +81,26 @@ class _Reporter:
 # ------------------------------------------------------------------------------------------------
 # torch.distributed.rpc / rpcdist: one caller (rank 0) and one callee (rank 1)
 # ------------------------------------------------------------------------------------------------
+CARRIERS = {"grpc": "gRPC", "tcp": "framed TCP"}
+"""rpcdist's carriers on the cross-host path (``cfg["cross_host_carrier"]``), by option value."""
+
+
+def add_carrier_arg(ap: Any) -> None:
+    """The ``--cross-host-carrier`` flag of the scenarios that take a cross-host path."""
+    ap.add_argument(
+        "--cross-host-carrier",
+        choices=tuple(CARRIERS),
+        default="grpc",
+        help="rpcdist's carrier on the cross-host path: gRPC streams (default) or framed TCP "
+        "(transport='tcp')",
+    )
+
+
+def carrier_name(cfg: dict[str, Any]) -> str:
+    """How the table names rpcdist's cross-host carrier."""
+    return CARRIERS[cfg.get("cross_host_carrier", "grpc")]
+
+
 def backend_options(system: str, rpc: Any, init_method: str, cfg: dict[str, Any]) -> Any:
     """``system``'s RPC backend options for ``cfg["path"]``: "same-host" (the default) is each
     system's defaults; "cross-host" is what crosses a network even on one host (torch:

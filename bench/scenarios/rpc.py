@@ -83,14 +83,7 @@ class Rpc(Scenario):
             "_transports=['uv'], _channels=['basic']; rpcdist transport='grpc', "
             "shm_threshold_bytes=0)",
         )
-
-        ap.add_argument(
-            "--cross-host-carrier",
-            choices=("grpc", "tcp"),
-            default="grpc",
-            help="rpcdist's carrier on the cross-host path: gRPC streams (default) or framed TCP "
-            "(transport='tcp')",
-        )
+        W.add_carrier_arg(ap)
 
     def apply_args(self, cfg: dict[str, Any], args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         cfg["path"] = args.path
@@ -374,10 +367,9 @@ class Rpc(Scenario):
     def title_lines(self, meta: dict[str, Any], agg: dict[str, Any]) -> list[str]:
         quick = " (--quick)" if meta["quick"] else ""
         if meta["cfg"].get("path") == "cross-host":
-            carrier = "framed TCP" if meta["cfg"].get("cross_host_carrier") == "tcp" else "gRPC"
             systems = (
-                f"cross-host path: rpcdist ({carrier} links, no shared memory) vs torch.distributed.rpc "
-                "(TensorPipe uv transport, basic channel)"
+                f"cross-host path: rpcdist ({W.carrier_name(meta['cfg'])} links, no shared memory) vs "
+                "torch.distributed.rpc (TensorPipe uv transport, basic channel)"
             )
         else:
             systems = "rpcdist vs torch.distributed.rpc (TensorPipe defaults)"

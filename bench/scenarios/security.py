@@ -30,6 +30,7 @@ from typing import Any
 from _driver import ratio, times
 from _harness import MiB
 
+from scenarios._rpc_workers import carrier_name
 from scenarios.rpc import Rpc
 
 SIZE = 16 * MiB
@@ -139,8 +140,7 @@ class Security(Rpc):
         quick = " (--quick)" if meta["quick"] else ""
         cfg = meta["cfg"]
         if cfg.get("path") == "cross-host":
-            carrier = "framed TCP" if cfg.get("cross_host_carrier") == "tcp" else "gRPC"
-            links = f"{carrier} links, no shared memory"
+            links = f"{carrier_name(cfg)} links, no shared memory"
         else:
             links = "Unix-socket links and shared memory (no TLS on them)"
         return [

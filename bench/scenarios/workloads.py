@@ -44,6 +44,7 @@ from _group import Follower, run_ranks
 from _harness import log
 
 from scenarios import _autograd_workers as AW
+from scenarios import _rpc_workers as RW
 from scenarios import _workload_workers as W
 from scenarios import autograd as autograd_scenario
 
@@ -162,13 +163,7 @@ class Workloads(Scenario):
             help="same-host: each system's defaults; cross-host: torch _transports=['uv'], "
             "_channels=['basic'] vs rpcdist transport='grpc', shm_threshold_bytes=0",
         )
-        ap.add_argument(
-            "--cross-host-carrier",
-            choices=("grpc", "tcp"),
-            default="grpc",
-            help="rpcdist's carrier on the cross-host path: gRPC streams (default) or framed TCP "
-            "(transport='tcp')",
-        )
+        RW.add_carrier_arg(ap)
         ap.add_argument(
             "--workloads",
             default=",".join(WORKLOADS),
@@ -474,10 +469,9 @@ class Workloads(Scenario):
 
     def title_lines(self, meta: dict[str, Any], agg: dict[str, Any]) -> list[str]:
         cfg = meta["cfg"]
-        carrier = "framed TCP" if cfg.get("cross_host_carrier") == "tcp" else "gRPC"
         path = (
-            f"cross-host path: rpcdist {carrier} links, no shared memory vs TensorPipe uv transport + "
-            "basic channel"
+            f"cross-host path: rpcdist {RW.carrier_name(cfg)} links, no shared memory vs TensorPipe uv "
+            "transport + basic channel"
             if cfg.get("path") == "cross-host"
             else "same-host path: each system's defaults (rpcdist; TensorPipe)"
         )
