@@ -65,6 +65,7 @@ def available() -> bool:
 
 _PROBE_PREFIX = f"{_PREFIX}probe-"
 _SOCKET_DIR_PREFIX = f"{_PREFIX}sock-"
+_SOCKET_NAME = "agent.sock"  # (the only entry of a socket directory)
 STALE_AFTER_SECONDS = 60.0
 """Entries younger than this are never swept: their maker may not hold its lock yet."""
 # Entry path -> the descriptor whose shared flock marks it as in use (closed with the entry),
@@ -123,13 +124,11 @@ def _remove_own_entries() -> None:
     me = os.getpid()
     with _held_lock:
         paths = [path for path, (_, pid) in _held.items() if pid == me]
-    for path in paths:
-        _release(path)
-        with contextlib.suppress(OSError):
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+    for path in paths:  # (what close() would have done: the same removals)
+        if os.path.isdir(path):
+            remove_socket(os.path.join(path, _SOCKET_NAME))
+        else:
+            remove([os.path.basename(path)])
     for pool in list(_pools):
         if pool.pid == me:
             pool.close()
@@ -237,7 +236,7 @@ def socket_path() -> str:
     a new directory only this user can enter (mode 0700, unguessable name)."""
     directory = tempfile.mkdtemp(prefix=_SOCKET_DIR_PREFIX, dir=SHM_DIR)
     _hold(directory, os.open(directory, os.O_RDONLY | os.O_DIRECTORY))
-    return os.path.join(directory, "agent.sock")
+    return os.path.join(directory, _SOCKET_NAME)
 
 
 def remove_socket(path: str) -> None:
